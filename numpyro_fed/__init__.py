@@ -1,0 +1,34 @@
+"""numpyro_fed: federated, communication-compressed Langevin samplers for NumPyro.
+
+An ordinary NumPyro model + a :class:`ClientPartition` of its data -> a NumPyro
+``MCMCKernel`` -> :class:`numpyro.infer.MCMC` -> ArviZ ``InferenceData``.
+"""
+
+from numpyro_fed import compressors
+from numpyro_fed.bits import BitCounter, counter_value
+from numpyro_fed.kernels import (
+    MALA,
+    ULA,
+    DivergenceError,
+    FederatedKernel,
+    FederatedLangevin,
+    FedState,
+)
+from numpyro_fed.partition import ClientPartition
+from numpyro_fed.potential import FederatedPotential
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BitCounter",
+    "ClientPartition",
+    "DivergenceError",
+    "FedState",
+    "FederatedKernel",
+    "FederatedLangevin",
+    "FederatedPotential",
+    "MALA",
+    "ULA",
+    "compressors",
+    "counter_value",
+]

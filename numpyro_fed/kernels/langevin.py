@@ -1,0 +1,642 @@
+"""Langevin kernels: ULA and MALA on an ordinary NumPyro model, and federated Langevin.
+
+* :class:`ULA` -- unadjusted Langevin algorithm, :math:`\\theta^+ = \\theta - \\gamma\\nabla
+  U(\\theta) + \\sqrt{2\\gamma}Z` (Roberts & Tweedie 1996; QLSD paper's LSD baseline when run on
+  pooled data).
+* :class:`MALA` -- the same proposal with a Metropolis--Hastings correction; the step size is
+  adapted during warmup by dual averaging towards a target acceptance rate (default 0.574,
+  Roberts & Rosenthal 1998), as NumPyro's HMC adapts its own.
+* :class:`FederatedLangevin` -- federated SGLD / ULA over a
+  :class:`~numpyro_fed.partition.ClientPartition`: each client sends (optionally compressed)
+  :math:`H_i(\\theta)`, the server adds the Langevin noise (QLSD paper, Alg. 1, with the
+  full-gradient or minibatch oracle). With the identity compressor this is the papers'
+  uncompressed LSD / federated LMC baseline.
+
+All three run inside :class:`numpyro.infer.MCMC`, including
+``chain_method="vectorized"``, and return constrained samples and deterministic sites.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import random
+from jax.flatten_util import ravel_pytree
+from numpyro.infer.hmc_util import dual_averaging
+from numpyro.infer.initialization import init_to_uniform
+from numpyro.infer.mcmc import MCMCKernel
+from numpyro.infer.util import initialize_model
+from numpyro.util import identity
+
+from numpyro_fed.bits import BitCounter, counter_add, counter_value, counter_zeros
+from numpyro_fed.compressors import Compressor, get_compressor
+from numpyro_fed.kernels.base import (
+    chain_keys_list,
+    check_step_size,
+    langevin_move,
+    raise_if_nonfinite,
+    split_chain_keys,
+)
+from numpyro_fed.partition import ClientPartition
+from numpyro_fed.potential import FederatedPotential
+
+__all__ = [
+    "LangevinState",
+    "MALAState",
+    "FedState",
+    "ULA",
+    "MALA",
+    "FederatedKernel",
+    "FederatedLangevin",
+]
+
+_DIVERGED = (
+    "numpyro_fed: {kernel} chain became non-finite at iteration {{iteration}} with "
+    "step_size={step_size:.3g}. Reduce `step_size` (or check the model for invalid values)."
+)
+
+
+# ============================================================================ ULA / MALA
+class LangevinState(NamedTuple):
+    """State of :class:`ULA`.
+
+    - **i** -- iteration counter.
+    - **z** -- current sample, a dict of unconstrained site values.
+    - **potential_energy** -- :math:`U(z)` (computed with the gradient at no extra cost).
+    - **z_grad** -- :math:`\\nabla U(z)`.
+    - **rng_key** -- random key.
+    """
+
+    i: jax.Array
+    z: dict
+    potential_energy: jax.Array
+    z_grad: jax.Array
+    rng_key: jax.Array
+
+
+class MALAState(NamedTuple):
+    """State of :class:`MALA`.
+
+    - **i** -- iteration counter.
+    - **z** -- current sample (dict of unconstrained site values).
+    - **potential_energy** -- :math:`U(z)`.
+    - **z_grad** -- flat :math:`\\nabla U(z)`.
+    - **accept_prob** -- acceptance probability of the last proposal.
+    - **mean_accept_prob** -- running mean of ``accept_prob`` (reset after warmup).
+    - **step_size** -- current step size (adapted during warmup).
+    - **adapt_state** -- dual-averaging state on :math:`\\log` step size.
+    - **rng_key** -- random key.
+    """
+
+    i: jax.Array
+    z: dict
+    potential_energy: jax.Array
+    z_grad: jax.Array
+    accept_prob: jax.Array
+    mean_accept_prob: jax.Array
+    step_size: jax.Array
+    adapt_state: tuple
+    rng_key: jax.Array
+
+
+class _ModelLangevinBase(MCMCKernel):
+    """Common init/postprocess logic of ULA and MALA on a NumPyro model or potential."""
+
+    sample_field = "z"
+
+    def __init__(
+        self,
+        model: Callable | None = None,
+        potential_fn: Callable | None = None,
+        *,
+        step_size: float = 1e-3,
+        init_strategy: Callable = init_to_uniform,
+        check_finite: bool = True,
+    ) -> None:
+        if (model is None) == (potential_fn is None):
+            raise ValueError("Give exactly one of `model` and `potential_fn`.")
+        self._model = model
+        self._potential_fn = potential_fn
+        self._step_size = check_step_size(step_size)
+        self._init_strategy = init_strategy
+        self._check_finite = check_finite
+        self._postprocess_fn = None
+        self._pe_fn = None
+        self._unravel = None
+        self._vectorized = False
+
+    @property
+    def model(self):
+        return self._model
+
+    @property
+    def step_size(self) -> float:
+        return self._step_size
+
+    # -- potential on flat vectors -------------------------------------------------------
+    def _bind(self, model_args, model_kwargs, init_params, rng_key):
+        """Build the flat potential for these model arguments; return flat initial points."""
+        if self._model is not None:
+            keys = chain_keys_list(rng_key) if self._vectorized else [rng_key]
+            inits = []
+            for k in keys:
+                info = initialize_model(
+                    k,
+                    self._model,
+                    model_args=model_args,
+                    model_kwargs=model_kwargs,
+                    init_strategy=self._init_strategy,
+                    dynamic_args=True,
+                )
+                inits.append(info.param_info.z)
+            pe_gen = info.potential_fn
+            self._postprocess_fn = info.postprocess_fn
+            z_proto = inits[0]
+
+            def pe_dict(z, args, kwargs):
+                return pe_gen(*args, **kwargs)(z)
+
+        else:
+            if init_params is None:
+                raise ValueError("`init_params` must be provided with `potential_fn`.")
+            inits = None
+            z_proto = jax.tree.map(lambda v: v[0] if self._vectorized else v, init_params)
+
+            def pe_dict(z, args, kwargs):
+                return self._potential_fn(z)
+
+        _, unravel = ravel_pytree(z_proto)
+        self._unravel = unravel
+        self._pe_dict = pe_dict
+        if init_params is not None:
+            inits = init_params
+        elif self._vectorized:
+            inits = jax.tree.map(lambda *v: jnp.stack(v), *inits)
+        else:
+            inits = inits[0]
+        return inits
+
+    def _flat_pe(self, model_args, model_kwargs):
+        unravel, pe_dict = self._unravel, self._pe_dict
+        return lambda x: pe_dict(unravel(x), model_args, model_kwargs)
+
+    def postprocess_fn(self, model_args, model_kwargs):
+        if self._postprocess_fn is None:
+            return identity
+        return self._postprocess_fn(*model_args, **model_kwargs)
+
+    def _maybe_vmap(self, fn, in_axes):
+        return jax.vmap(fn, in_axes=in_axes) if self._vectorized else fn
+
+
+class ULA(_ModelLangevinBase):
+    """Unadjusted Langevin algorithm on a NumPyro model (or a potential function).
+
+    :math:`z^+ = z - \\gamma \\nabla U(z) + \\sqrt{2\\gamma} Z` in unconstrained space.
+
+    :param model: a NumPyro model (data passed to ``MCMC.run`` as usual).
+    :param potential_fn: alternatively, a potential on dicts of unconstrained values
+        (``init_params`` are then required).
+    :param step_size: :math:`\\gamma`.
+    :param init_strategy: NumPyro initialisation strategy for model latent sites.
+    :param check_finite: stop with :class:`~numpyro_fed.kernels.base.DivergenceError` when a
+        chain becomes non-finite.
+
+    The random key of each step is split as ``(rng_key, k_noise, k_alg)``; the federated
+    kernels use the same scheme, so that with identical gradients they produce identical
+    chains.
+    """
+
+    def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
+        self._vectorized, rng_key = split_chain_keys(rng_key)
+        z0 = self._bind(model_args, model_kwargs, init_params, rng_key)
+        pe = self._flat_pe(model_args, model_kwargs)
+
+        def init_one(z, key):
+            x = ravel_pytree(z)[0]
+            u, g = jax.value_and_grad(pe)(x)
+            return LangevinState(jnp.zeros((), jnp.int32), z, u, g, key)
+
+        return self._maybe_vmap(init_one, (0, 0))(z0, rng_key)
+
+    def refresh(self, state, model_args, model_kwargs):
+        """Recompute the cached potential and gradient for new model arguments."""
+        pe = self._flat_pe(model_args, model_kwargs)
+
+        def one(s):
+            u, g = jax.value_and_grad(pe)(ravel_pytree(s.z)[0])
+            return s._replace(potential_energy=u, z_grad=g)
+
+        return self._maybe_vmap(one, 0)(state)
+
+    def sample(self, state, model_args, model_kwargs):
+        pe = self._flat_pe(model_args, model_kwargs)
+        gamma = self._step_size
+
+        def one(s):
+            rng_key, k_noise, _ = random.split(s.rng_key, 3)
+            x = langevin_move(k_noise, ravel_pytree(s.z)[0], s.z_grad, gamma)
+            u, g = jax.value_and_grad(pe)(x)
+            return LangevinState(s.i + 1, self._unravel(x), u, g, rng_key)
+
+        new = self._maybe_vmap(one, 0)(state)
+        if self._check_finite:
+            raise_if_nonfinite(
+                new.potential_energy,
+                new.i,
+                _DIVERGED.format(kernel="ULA", step_size=gamma),
+            )
+        return new
+
+    def get_diagnostics_str(self, state):
+        return f"step size {self._step_size:.2e}. U {float(state.potential_energy):.4g}"
+
+
+class MALA(_ModelLangevinBase):
+    """Metropolis-adjusted Langevin algorithm with step-size adaptation during warmup.
+
+    Proposal :math:`y = z - \\gamma\\nabla U(z) + \\sqrt{2\\gamma}Z`, accepted with probability
+    :math:`\\min\\{1, e^{U(z) - U(y)} q(z\\mid y)/q(y\\mid z)\\}`. During the ``num_warmup``
+    iterations :math:`\\log\\gamma` follows NumPyro's dual-averaging scheme (Hoffman & Gelman
+    2014) towards ``target_accept_prob``; afterwards the averaged step size is frozen.
+
+    :param step_size: initial :math:`\\gamma`.
+    :param adapt_step_size: adapt during warmup (default ``True``).
+    :param target_accept_prob: target acceptance rate (default 0.574, optimal for MALA).
+    """
+
+    def __init__(
+        self,
+        model: Callable | None = None,
+        potential_fn: Callable | None = None,
+        *,
+        step_size: float = 1e-3,
+        adapt_step_size: bool = True,
+        target_accept_prob: float = 0.574,
+        init_strategy: Callable = init_to_uniform,
+        check_finite: bool = True,
+    ) -> None:
+        super().__init__(
+            model,
+            potential_fn,
+            step_size=step_size,
+            init_strategy=init_strategy,
+            check_finite=check_finite,
+        )
+        if not 0.0 < target_accept_prob < 1.0:
+            raise ValueError("`target_accept_prob` must lie in (0, 1).")
+        self._adapt = adapt_step_size
+        self._target = target_accept_prob
+        self._num_warmup = 0
+
+    @property
+    def default_fields(self):
+        return ("z", "accept_prob")
+
+    def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
+        self._vectorized, rng_key = split_chain_keys(rng_key)
+        self._num_warmup = int(num_warmup)
+        z0 = self._bind(model_args, model_kwargs, init_params, rng_key)
+        pe = self._flat_pe(model_args, model_kwargs)
+        da_init, _ = dual_averaging()
+        log_step = jnp.log(self._step_size)
+
+        def init_one(z, key):
+            x = ravel_pytree(z)[0]
+            u, g = jax.value_and_grad(pe)(x)
+            zero = jnp.zeros((), jnp.result_type(x))
+            step = jnp.asarray(self._step_size, jnp.result_type(x))
+            return MALAState(
+                jnp.zeros((), jnp.int32), z, u, g, zero, zero, step,
+                da_init(jnp.log(10.0) + log_step), key,
+            )
+
+        return self._maybe_vmap(init_one, (0, 0))(z0, rng_key)
+
+    def refresh(self, state, model_args, model_kwargs):
+        """Recompute the cached potential and gradient for new model arguments."""
+        pe = self._flat_pe(model_args, model_kwargs)
+
+        def one(s):
+            u, g = jax.value_and_grad(pe)(ravel_pytree(s.z)[0])
+            return s._replace(potential_energy=u, z_grad=g)
+
+        return self._maybe_vmap(one, 0)(state)
+
+    def sample(self, state, model_args, model_kwargs):
+        pe = self._flat_pe(model_args, model_kwargs)
+        _, da_update = dual_averaging()
+        num_warmup, target, adapt = self._num_warmup, self._target, self._adapt
+
+        def one(s):
+            rng_key, k_noise, k_acc = random.split(s.rng_key, 3)
+            x = ravel_pytree(s.z)[0]
+            gamma = s.step_size
+            y = langevin_move(k_noise, x, s.z_grad, gamma)
+            u_y, g_y = jax.value_and_grad(pe)(y)
+            # log q(x | y) - log q(y | x) for q(b | a) = N(a - gamma grad(a), 2 gamma I)
+            fwd = y - x + gamma * s.z_grad
+            bwd = x - y + gamma * g_y
+            log_ratio = s.potential_energy - u_y + (jnp.sum(fwd**2) - jnp.sum(bwd**2)) / (
+                4.0 * gamma
+            )
+            log_ratio = jnp.where(jnp.isnan(log_ratio), -jnp.inf, log_ratio)
+            accept_prob = jnp.clip(jnp.exp(jnp.minimum(log_ratio, 0.0)), 0.0, 1.0)
+            accept = random.uniform(k_acc) < accept_prob
+            x_new = jnp.where(accept, y, x)
+            u_new = jnp.where(accept, u_y, s.potential_energy)
+            g_new = jnp.where(accept, g_y, s.z_grad)
+            i = s.i + 1
+            # step-size adaptation (warmup only), NumPyro's dual averaging on log(step)
+            if adapt:
+                da = da_update(target - accept_prob, s.adapt_state)
+                in_warmup = s.i < num_warmup
+                last_warmup = s.i == num_warmup - 1
+                step = jnp.where(
+                    in_warmup,
+                    jnp.where(last_warmup, jnp.exp(da[1]), jnp.exp(da[0])),
+                    gamma,
+                ).astype(gamma.dtype)
+                da = jax.tree.map(lambda a, b: jnp.where(in_warmup, a, b), da, s.adapt_state)
+            else:
+                step, da = gamma, s.adapt_state
+            n = jnp.where(s.i < num_warmup, s.i + 1, s.i + 1 - num_warmup).astype(gamma.dtype)
+            restart = s.i == num_warmup
+            mean_acc = jnp.where(
+                restart, accept_prob, s.mean_accept_prob + (accept_prob - s.mean_accept_prob) / n
+            )
+            return MALAState(
+                i, self._unravel(x_new), u_new, g_new, accept_prob, mean_acc, step, da, rng_key
+            )
+
+        new = self._maybe_vmap(one, 0)(state)
+        if self._check_finite:
+            raise_if_nonfinite(
+                new.potential_energy,
+                new.i,
+                _DIVERGED.format(kernel="MALA", step_size=self._step_size),
+            )
+        return new
+
+    def get_diagnostics_str(self, state):
+        return (
+            f"step size {float(state.step_size):.2e}. "
+            f"acc. prob={float(state.mean_accept_prob):.2f}"
+        )
+
+
+# ============================================================================ federated
+class FedState(NamedTuple):
+    """State of a federated kernel (one chain; vectorized chains add a leading axis to every
+    field except ``i`` and ``data``).
+
+    - **i** -- iteration counter, shared by vectorized chains.
+    - **z** -- current sample: dict of unconstrained site values.
+    - **bits_up** -- bits sent client -> server at this step, summed over clients (int32).
+    - **bits_down** -- bits sent server -> clients at this step, summed over the clients that
+      receive the broadcast (int32).
+    - **total_up** / **total_down** -- cumulative :class:`~numpyro_fed.bits.BitCounter`
+      including warmup, thinned-out steps and one-off rounds at ``init``.
+    - **extra** -- algorithm-specific state (memory terms, control variates, error feedback).
+    - **rng_key** -- random key.
+    - **data** -- the client partition (shared by chains).
+    """
+
+    i: jax.Array
+    z: dict
+    bits_up: jax.Array
+    bits_down: jax.Array
+    total_up: BitCounter
+    total_down: BitCounter
+    extra: Any
+    rng_key: jax.Array
+    data: ClientPartition
+
+
+class FederatedKernel(MCMCKernel):
+    """Base class of the federated kernels: a NumPyro model + a client partition.
+
+    Subclasses implement :meth:`init_extra` (per-chain algorithm state and one-off rounds)
+    and :meth:`step` (one iteration on flat vectors). The base class builds the per-client
+    potentials (:class:`~numpyro_fed.potential.FederatedPotential`), vectorises chains,
+    counts bits, checks for divergence and binds the pooled data for ArviZ.
+
+    :param model: an ordinary NumPyro model.
+    :param partition: the client partition of the model's data.
+    :param step_size: Langevin step size :math:`\\gamma`.
+    :param batch_size: per-client minibatch size ``n`` (``None``: full local gradients).
+    :param compressor: uplink compressor (a :class:`~numpyro_fed.compressors.Compressor` or
+        a spec string); ``None`` is the identity.
+    :param prior: who holds the prior, see :class:`~numpyro_fed.potential.FederatedPotential`.
+    :param likelihood_weight: likelihood weight (temperature) per client, default 1.
+    :param init_strategy: NumPyro initialisation strategy.
+    :param check_finite: stop with a clear error when a chain becomes non-finite.
+    :param postprocess_deterministic: return deterministic sites (replays the model on the
+        pooled data for every kept draw; set ``False`` for speed on large data).
+    """
+
+    sample_field = "z"
+    name = "federated"
+
+    def __init__(
+        self,
+        model: Callable,
+        partition: ClientPartition,
+        *,
+        step_size: float,
+        batch_size: int | None = None,
+        compressor: Compressor | str | None = None,
+        prior: str | Any = "split",
+        likelihood_weight: float | Any = 1.0,
+        init_strategy: Callable = init_to_uniform,
+        check_finite: bool = True,
+        postprocess_deterministic: bool = True,
+        potential: FederatedPotential | None = None,
+    ) -> None:
+        self._step_size = check_step_size(step_size)
+        if potential is None:
+            potential = FederatedPotential(
+                model, partition, prior=prior, likelihood_weight=likelihood_weight
+            )
+        self.potential = potential
+        self.partition = partition
+        if batch_size is not None:
+            if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+                raise TypeError(f"`batch_size` must be an int or None, got {batch_size!r}.")
+            partition.check_batch_size(batch_size)
+        self.batch_size = batch_size
+        self.compressor = get_compressor(compressor)
+        self._init_strategy = init_strategy
+        self._check_finite = check_finite
+        self._postprocess_det = postprocess_deterministic
+        self._vectorized = False
+        self._model = potential.pooled_model()
+
+    # -- NumPyro kernel protocol ---------------------------------------------------------
+    @property
+    def model(self) -> Callable:
+        """The user's model with the pooled data bound (what ArviZ replays)."""
+        return self._model
+
+    @property
+    def step_size(self) -> float:
+        return self._step_size
+
+    @property
+    def default_fields(self):
+        return ("z", "bits_up", "bits_down")
+
+    def postprocess_fn(self, model_args, model_kwargs):
+        constrain = self.potential.postprocess_fn(self._postprocess_det)
+        return lambda z: constrain(self.potential.ravel(z))
+
+    def _state_axes(self) -> FedState:
+        return FedState(
+            i=None, z=0, bits_up=0, bits_down=0, total_up=0, total_down=0,
+            extra=0, rng_key=0, data=None,
+        )
+
+    def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
+        if model_args or model_kwargs:
+            raise ValueError(
+                f"{type(self).__name__} takes its data from the ClientPartition; call "
+                "`mcmc.run(rng_key)` without model arguments (put non-row arguments in "
+                "`ClientPartition(..., shared={...})`)."
+            )
+        self._vectorized, rng_key = split_chain_keys(rng_key)
+        keys = chain_keys_list(rng_key) if self._vectorized else [rng_key]
+        pot = self.potential
+        x0s = []
+        for c, k in enumerate(keys):
+            if init_params is None:
+                x0s.append(pot.init_params(random.fold_in(k, 1), self._init_strategy))
+            else:
+                params = init_params
+                if self._vectorized:
+                    params = jax.tree.map(lambda v, c=c: jnp.asarray(v)[c], init_params)
+                x0s.append(pot.ravel(params))
+        x0 = jnp.stack(x0s) if self._vectorized else x0s[0]
+        data = self.partition
+        self._num_warmup = int(num_warmup)
+
+        def init_one(x, key):
+            key, k_extra = random.split(key)
+            extra, up, down = self.init_extra(k_extra, x, data)
+            zero = jnp.zeros((), jnp.int32)
+            return FedState(
+                jnp.zeros((), jnp.int32), pot.unravel(x), zero, zero,
+                counter_add(counter_zeros(), up), counter_add(counter_zeros(), down),
+                extra, key, data,
+            )
+
+        if self._vectorized:
+            axes = self._state_axes()
+            return jax.vmap(init_one, in_axes=(0, 0), out_axes=axes)(x0, rng_key)
+        return init_one(x0, rng_key)
+
+    def sample(self, state, model_args, model_kwargs):
+        pot = self.potential
+        i, data = state.i, state.data
+
+        def one(s):
+            rng_key, k_noise, k_alg = random.split(s.rng_key, 3)
+            x = pot.ravel(s.z)
+            x_new, extra, up, down = self.step(k_alg, k_noise, i, x, s.extra, data)
+            return FedState(
+                s.i, pot.unravel(x_new), up, down,
+                counter_add(s.total_up, up), counter_add(s.total_down, down),
+                extra, rng_key, s.data,
+            )
+
+        if self._vectorized:
+            axes = self._state_axes()
+            new = jax.vmap(one, in_axes=(axes,), out_axes=axes)(state)
+        else:
+            new = one(state)
+        new = new._replace(i=i + 1)
+        if self._check_finite:
+            raise_if_nonfinite(
+                ravel_pytree(new.z)[0],
+                new.i,
+                _DIVERGED.format(kernel=self.name, step_size=self._step_size),
+            )
+        return new
+
+    def get_diagnostics_str(self, state):
+        up = float(state.bits_up) / 1e3
+        total = float(counter_value(state.total_up) + counter_value(state.total_down)) / 8e6
+        return f"step size {self._step_size:.2e}. {up:.1f} kbit up/step, {total:.3g} MB total"
+
+    # -- algorithm interface -------------------------------------------------------------
+    def init_extra(self, key, x, data):
+        """Per-chain algorithm state and the bits of one-off rounds at initialisation.
+
+        :return: ``(extra, bits_up, bits_down)``; bits are Python ints or int32 arrays.
+        """
+        return (), 0, self.broadcast_bits(data)
+
+    def step(self, key, noise_key, i, x, extra, data):
+        """One iteration from flat ``x``; returns ``(x_new, extra, bits_up, bits_down)``."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    # -- helpers shared by subclasses ----------------------------------------------------
+    def broadcast_bits(self, data: ClientPartition) -> int:
+        """Bits of broadcasting a dense float32 vector of size ``d`` to every client."""
+        return data.num_clients * 32 * self.potential.dim
+
+    def oracle(self, key, x, data):
+        """Client gradients :math:`H_i(x)`, shape ``(b, d)``: exact or minibatch."""
+        if self.batch_size is None:
+            return self.potential.full_grads(x, data)
+        return self.potential.batch_grads(key, x, data, self.batch_size)
+
+    def compress_all(self, key, messages, compressor: Compressor | None = None):
+        """Compress each client's message (vmapped); return ``(decoded, total bits)``."""
+        comp = self.compressor if compressor is None else compressor
+        keys = random.split(key, messages.shape[0])
+        decoded, bits = jax.vmap(comp)(keys, messages)
+        return decoded, jnp.sum(bits).astype(jnp.int32)
+
+    def communication(self, state) -> dict:
+        """Cumulative bits of a state (per chain): ``{"up": ..., "down": ..., "total": ...}``."""
+        up = counter_value(state.total_up)
+        down = counter_value(state.total_down)
+        return {"up": up, "down": down, "total": up + down}
+
+
+class FederatedLangevin(FederatedKernel):
+    """Federated Langevin dynamics (federated SGLD / ULA; QLSD paper Alg. 1).
+
+    Each client :math:`i` computes :math:`H_i(\\theta)` (full local gradient when
+    ``batch_size`` is ``None``, else the minibatch oracle :math:`(N_i/n)\\sum_{j\\in S}\\nabla
+    U_{ij}`), sends :math:`\\mathcal{C}(H_i)` to the server, which updates
+
+    .. math:: \\theta^+ = \\theta - \\gamma\\,[\\nabla U_0(\\theta) + \\textstyle\\sum_i
+              \\mathcal{C}(H_i(\\theta))] + \\sqrt{2\\gamma}\\, Z
+
+    and broadcasts :math:`\\theta^+` (dense float32). With the identity compressor this is
+    the uncompressed baseline (LSD, federated LMC); with an unbiased compressor it is QLSD.
+    See :mod:`numpyro_fed.kernels.qlsd` for the variance-reduced variants.
+
+    **Example**
+
+    .. code-block:: python
+
+        kernel = FederatedLangevin(model, clients, step_size=1e-4, batch_size=32)
+        mcmc = MCMC(kernel, num_warmup=1000, num_samples=5000)
+        mcmc.run(random.key(0))
+        idata = az.from_numpyro(mcmc)   # bits_up / bits_down in idata.sample_stats
+    """
+
+    name = "FederatedLangevin"
+
+    def step(self, key, noise_key, i, x, extra, data):
+        k_batch, k_comp = random.split(key)
+        h = self.oracle(k_batch, x, data)
+        h, up = self.compress_all(k_comp, h)
+        g = self.potential.server_grad(x) + jnp.sum(h, axis=0)
+        x_new = langevin_move(noise_key, x, g, self._step_size)
+        return x_new, extra, up, jnp.int32(self.broadcast_bits(data))

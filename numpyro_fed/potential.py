@@ -1,0 +1,412 @@
+"""Per-client potentials and gradient oracles built from an ordinary NumPyro model.
+
+The target is :math:`\\pi(\\theta) \\propto \\exp(-U(\\theta))` in NumPyro's *unconstrained*
+space, with the finite-sum decomposition over the :math:`b` clients of a
+:class:`~numpyro_fed.partition.ClientPartition` (QLSD paper, eq. (1); ELF paper, eq. (1))
+
+.. math::
+
+    U(\\theta) = U_0(\\theta) + \\sum_{i=1}^b U_i(\\theta), \\qquad
+    U_i(\\theta) = -\\tau_i \\sum_{j=1}^{N_i} \\log p(y_{ij} \\mid \\theta)
+                   - w_i \\,[\\log p(\\theta) + \\log |J(\\theta)|],
+
+where :math:`J` is the Jacobian of the map from unconstrained to constrained values,
+:math:`w_i` is the client's share of the prior (:math:`\\sum_{i=0}^b w_i = 1`; :math:`w_0` is
+held by the server) and :math:`\\tau_i` is a likelihood weight (temperature, default 1).
+
+The model is an ordinary NumPyro model. Its keyword arguments named in the partition are
+per-data-point arrays (leading axis = data points); the observed sites (and any
+``numpyro.factor``) must factorise over that axis, which is checked once at construction.
+The log-likelihood of a batch of rows is computed by ``vmap``-ing the model over single rows,
+so padded rows can be masked exactly whatever the plate layout of the model.
+
+Gradient oracles (all vmapped over clients, no Python loop):
+
+* :meth:`FederatedPotential.full_grads` -- :math:`\\nabla U_i(\\theta)` for every client;
+* :meth:`FederatedPotential.batch_grads` -- the minibatch oracle
+  :math:`(N_i/n)\\sum_{j\\in S_i} \\nabla U_{ij}(\\theta)` of QLSD# (000, Alg. 1), plus the
+  exact prior share;
+* :meth:`FederatedPotential.batch_grad_diffs` --
+  :math:`(N_i/n)\\sum_{j\\in S_i} [\\nabla U_{ij}(\\theta) - \\nabla U_{ij}(\\zeta)]` on the same
+  minibatch (control variates of QLSD* / QLSD++, 000 Alg. 2).
+
+**Minibatch scheme.** Each client draws its :math:`n` indices uniformly *with replacement*
+from its :math:`N_i` rows (``random.randint``), independently across clients and steps. The
+oracle is unbiased and its covariance is exactly
+:math:`(N_i^2/n)\\,\\mathrm{Cov}_j[\\nabla U_{ij}]` (population covariance over the client's
+rows), which is what the closed-form stationary distributions in the tests use. Sampling
+without replacement (``random.choice(replace=False)``) is an order of magnitude slower on CPU
+and is not offered.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import random
+from jax.flatten_util import ravel_pytree
+from numpyro import handlers
+from numpyro.infer.initialization import init_to_uniform
+from numpyro.infer.util import _unconstrain_reparam, constrain_fn, initialize_model, transform_fn
+
+from numpyro_fed.partition import ClientPartition
+
+Array = jax.Array
+
+__all__ = ["FederatedPotential", "PRIOR_MODES"]
+
+PRIOR_MODES = ("split", "size", "server")
+
+
+def _is_log_det_site(name: str, latent: set[str]) -> bool:
+    return name.startswith("_") and name.endswith("_log_det") and name[1:-8] in latent
+
+
+def _log_parts(model, kwargs: Mapping[str, Any], params: Mapping[str, Array], latent: set[str]):
+    """Return ``(log prior + log|J|, log likelihood)`` of ``model`` at unconstrained ``params``."""
+    seeded = handlers.seed(model, rng_seed=0)
+    subs = handlers.substitute(seeded, substitute_fn=partial(_unconstrain_reparam, params))
+    tr = handlers.trace(subs).get_trace(**kwargs)
+    prior = jnp.zeros(())
+    lik = jnp.zeros(())
+    for name, site in tr.items():
+        if site["type"] != "sample":
+            continue
+        lp = site["fn"].log_prob(site["value"])
+        if site["scale"] is not None:
+            lp = site["scale"] * lp
+        if site.get("mask") is not None:
+            lp = jnp.where(site["mask"], lp, 0.0)
+        lp = jnp.sum(lp)
+        if not site["is_observed"] or _is_log_det_site(name, latent):
+            prior = prior + lp
+        else:
+            lik = lik + lp
+    return prior, lik
+
+
+class FederatedPotential:
+    """Per-client potentials :math:`U_i` of a NumPyro model on a client partition.
+
+    :param model: an ordinary NumPyro model; it is called with keyword arguments only: the
+        partition's data keys (one row at a time, or the pooled data) plus ``partition.shared``.
+    :param partition: the client partition of the model's data.
+    :param prior: who holds the prior and the log-Jacobian term: ``"split"`` (equal shares
+        :math:`w_i = 1/b`, the papers' convention), ``"size"`` (:math:`w_i = N_i/N`),
+        ``"server"`` (:math:`w_0 = 1`, clients hold likelihood only), or an array of ``b``
+        non-negative client weights summing to 1.
+    :param likelihood_weight: :math:`\\tau_i`, a scalar or an array of ``b`` per-client weights.
+        The default 1 gives the true posterior; the ELF paper's tempered target
+        :math:`F = \\frac1b\\sum_i [\\frac1{N_i}\\sum_j \\ell_{ij} + \\frac\\lambda2\\|x\\|^2]`
+        is ``likelihood_weight = 1/(b N_i)`` with ``prior="split"``.
+    :param check: verify once that the observed sites factorise over data rows and that no
+        latent site is local to a row.
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        partition: ClientPartition,
+        *,
+        prior: str | Any = "split",
+        likelihood_weight: float | Any = 1.0,
+        check: bool = True,
+    ) -> None:
+        if not isinstance(partition, ClientPartition):
+            raise TypeError(
+                f"`partition` must be a numpyro_fed.ClientPartition, got {type(partition)}; "
+                "build one with ClientPartition.iid / .dirichlet / .from_clients."
+            )
+        partition.check_model(model)
+        self.model = model
+        self.partition = partition
+        self.shared = dict(partition.shared)
+        b = partition.num_clients
+        sizes = np.asarray(partition.sizes_np, dtype=float)
+
+        if isinstance(prior, str):
+            if prior == "split":
+                w, w0 = np.full(b, 1.0 / b), 0.0
+            elif prior == "size":
+                w, w0 = sizes / sizes.sum(), 0.0
+            elif prior == "server":
+                w, w0 = np.zeros(b), 1.0
+            else:
+                raise ValueError(
+                    f"Unknown `prior`={prior!r}; use one of {PRIOR_MODES} or an array of "
+                    f"{b} client weights summing to 1."
+                )
+        else:
+            w = np.asarray(prior, dtype=float)
+            if w.shape != (b,) or np.any(w < 0) or not np.isclose(w.sum(), 1.0):
+                raise ValueError(
+                    f"`prior` weights must be {b} non-negative numbers summing to 1 "
+                    f"(got shape {w.shape}, sum {w.sum():.4g})."
+                )
+            w0 = 0.0
+        self.prior_mode = prior if isinstance(prior, str) else "custom"
+        self.prior_weights = w
+        self.server_prior_weight = w0
+
+        tau = np.broadcast_to(np.asarray(likelihood_weight, dtype=float), (b,)).copy()
+        if np.any(~np.isfinite(tau)) or np.any(tau <= 0):
+            raise ValueError("`likelihood_weight` must be positive and finite.")
+        self.likelihood_weight = tau
+
+        # --- structure of the model: latent sites, transforms, deterministic sites -------
+        pooled = {**partition.pooled(), **self.shared}
+        self._pooled_kwargs = pooled
+        info = initialize_model(
+            random.PRNGKey(0), model, model_kwargs=pooled, init_strategy=init_to_uniform
+        )
+        self._inv_transforms = _inverse_transforms(info)
+        z0 = info.param_info.z
+        if not z0:
+            raise ValueError("The model has no latent `sample` site to sample.")
+        self.latent_names = tuple(sorted(z0))
+        self._latent = set(self.latent_names)
+        flat, unravel = ravel_pytree(z0)
+        self.unravel: Callable[[Array], dict] = unravel
+        self.dim = int(flat.shape[0])
+        self.dtype = flat.dtype
+        trace = info.model_trace
+        self.deterministic_names = tuple(
+            n for n, s in trace.items() if s["type"] == "deterministic"
+        )
+        self.observed_names = tuple(
+            n
+            for n, s in trace.items()
+            if s["type"] == "sample" and s["is_observed"] and not _is_log_det_site(n, self._latent)
+        )
+        if not self.observed_names:
+            raise ValueError(
+                "The model has no observed site when called with the partition's data keys "
+                f"{partition.keys}; pass the observations (e.g. `y`) in the partition."
+            )
+        self._w = jnp.asarray(w)
+        self._tau = jnp.asarray(tau)
+        if check:
+            self._check_finite_sum(z0)
+
+    # ------------------------------------------------------------------ pure functions
+    def ravel(self, params: Mapping[str, Array]) -> Array:
+        """Flatten a dict of unconstrained values (sorted by site name) to a vector."""
+        return ravel_pytree({k: params[k] for k in self.latent_names})[0]
+
+    def _row_kwargs(self, row: Mapping[str, Array]) -> dict:
+        return {**{k: v[None] for k, v in row.items()}, **self.shared}
+
+    def log_prior(self, theta: Array) -> Array:
+        """:math:`\\log p(\\theta) + \\log|J(\\theta)|` at flat unconstrained ``theta``."""
+        row = jax.tree.map(lambda a: a[0, 0], self.partition.data)
+        prior, _ = _log_parts(self.model, self._row_kwargs(row), self.unravel(theta), self._latent)
+        return prior
+
+    def point_loglik(self, theta: Array, row: Mapping[str, Array]) -> Array:
+        """Log-likelihood of one data row (arrays without the leading data axis)."""
+        _, lik = _log_parts(self.model, self._row_kwargs(row), self.unravel(theta), self._latent)
+        return lik
+
+    def rows_loglik(self, theta: Array, rows: Mapping[str, Array]) -> Array:
+        """Per-row log-likelihoods, shape ``(M,)``, of rows with leading axis ``M``."""
+        return jax.vmap(self.point_loglik, in_axes=(None, 0))(theta, rows)
+
+    def _client_lik_potential(self, theta, rows, mask, tau):
+        ll = self.rows_loglik(theta, rows)
+        return -tau * jnp.sum(jnp.where(mask, ll, 0.0))
+
+    def _client_batch_potential(self, theta, rows, size, tau, batch_size):
+        ll = self.rows_loglik(theta, rows)
+        return -tau * (size / batch_size) * jnp.sum(ll)
+
+    def prior_grad(self, theta: Array) -> Array:
+        """:math:`-\\nabla[\\log p + \\log|J|]` (the whole prior potential's gradient)."""
+        return jax.grad(lambda t: -self.log_prior(t))(theta)
+
+    def client_potentials(self, theta: Array, data: ClientPartition) -> Array:
+        """:math:`(U_1(\\theta), \\dots, U_b(\\theta))`, shape ``(b,)``."""
+        lik = jax.vmap(self._client_lik_potential, in_axes=(None, 0, 0, 0))(
+            theta, data.data, data.mask, self._tau
+        )
+        return lik - self._w * self.log_prior(theta)
+
+    def potential(self, theta: Array, data: ClientPartition) -> Array:
+        """:math:`U(\\theta) = U_0 + \\sum_i U_i` (NumPyro's potential energy on pooled data)."""
+        return jnp.sum(self.client_potentials(theta, data)) - self.server_prior_weight * (
+            self.log_prior(theta)
+        )
+
+    def full_grads(self, theta: Array, data: ClientPartition) -> Array:
+        """Exact local gradients :math:`\\nabla U_i(\\theta)`, shape ``(b, d)``."""
+        g = jax.vmap(jax.grad(self._client_lik_potential), in_axes=(None, 0, 0, 0))(
+            theta, data.data, data.mask, self._tau
+        )
+        return g + self._w[:, None] * self.prior_grad(theta)
+
+    def server_grad(self, theta: Array) -> Array:
+        """Gradient of the server-held prior share :math:`\\nabla U_0(\\theta)`."""
+        if self.server_prior_weight == 0.0:
+            return jnp.zeros_like(theta)
+        return self.server_prior_weight * self.prior_grad(theta)
+
+    def sample_batch(self, key: Array, data: ClientPartition, batch_size: int) -> dict:
+        """Rows of each client's minibatch, leading axes ``(b, n)`` (uniform, with replacement)."""
+        keys = random.split(key, data.num_clients)
+
+        def one(k, rows, size):
+            idx = random.randint(k, (batch_size,), 0, size)
+            return jax.tree.map(lambda a: a[idx], rows)
+
+        return jax.vmap(one)(keys, data.data, data.sizes)
+
+    def batch_grads(self, key: Array, theta: Array, data: ClientPartition, batch_size: int):
+        """Minibatch oracle of QLSD# (000, Alg. 1): shape ``(b, d)``, unbiased for
+        :math:`\\nabla U_i(\\theta)`; the prior share is exact, not subsampled."""
+        rows = self.sample_batch(key, data, batch_size)
+        g = jax.vmap(jax.grad(self._client_batch_potential), in_axes=(None, 0, 0, 0, None))(
+            theta, rows, data.sizes, self._tau, batch_size
+        )
+        return g + self._w[:, None] * self.prior_grad(theta)
+
+    def batch_grad_diffs(
+        self, key: Array, theta: Array, zeta: Array, data: ClientPartition, batch_size: int
+    ) -> Array:
+        """:math:`(N_i/n)\\sum_{j\\in S_i}[\\nabla U_{ij}(\\theta)-\\nabla U_{ij}(\\zeta)]`
+        on one shared minibatch per client, plus the exact prior-share difference; shape
+        ``(b, d)``. Add :math:`\\nabla U_i(\\zeta)` for an unbiased oracle (000, Alg. 2)."""
+        rows = self.sample_batch(key, data, batch_size)
+        grad_fn = jax.grad(self._client_batch_potential)
+
+        def one(r, size, tau):
+            return grad_fn(theta, r, size, tau, batch_size) - grad_fn(zeta, r, size, tau, batch_size)
+
+        g = jax.vmap(one)(rows, data.sizes, self._tau)
+        return g + self._w[:, None] * (self.prior_grad(theta) - self.prior_grad(zeta))
+
+    def pointwise_loglik(self, theta: Array, data: ClientPartition) -> Array:
+        """Per-row log-likelihood, shape ``(b, N_max)``; padded rows are ``0``."""
+        ll = jax.vmap(self.rows_loglik, in_axes=(None, 0))(theta, data.data)
+        return jnp.where(data.mask, ll, 0.0)
+
+    # ------------------------------------------------------------------ model plumbing
+    def constrain(self, theta: Array, *, deterministic: bool = True) -> dict:
+        """Constrained values of the latent sites at flat ``theta`` and, when the model has
+        deterministic sites and ``deterministic`` is true, those sites evaluated on the pooled
+        data (this replays the model on all rows)."""
+        params = self.unravel(theta)
+        if deterministic and self.deterministic_names:
+            return constrain_fn(self.model, (), self._pooled_kwargs, params, return_deterministic=True)
+        return transform_fn(self._inv_transforms, params)
+
+    def postprocess_fn(self, deterministic: bool = True) -> Callable[[Array], dict]:
+        """Map flat unconstrained draws to constrained sites (+ deterministic sites)."""
+        return partial(self.constrain, deterministic=deterministic)
+
+    def pooled_model(self) -> Callable:
+        """The user's model with the pooled data bound as default keyword arguments.
+
+        This is what ArviZ replays (``az.from_numpyro`` calls ``mcmc.sampler.model()`` with
+        the ``args`` given to ``MCMC.run``, which are empty here because the data travel in the
+        partition). Explicit arguments override the pooled data."""
+        model, pooled = self.model, self._pooled_kwargs
+
+        def pooled_model(*args, **kwargs):
+            bound = dict(pooled)
+            if args:
+                names = list(inspect.signature(model).parameters)
+                for name in names[: len(args)]:
+                    bound.pop(name, None)
+            bound.update(kwargs)
+            return model(*args, **bound)
+
+        pooled_model.__name__ = getattr(model, "__name__", "model")
+        pooled_model.__doc__ = model.__doc__
+        pooled_model.__wrapped__ = model
+        return pooled_model
+
+    def init_params(
+        self,
+        rng_key: Array,
+        init_strategy: Callable = init_to_uniform,
+        init_params: Mapping[str, Any] | None = None,
+    ) -> Array:
+        """Initial flat unconstrained point for one chain.
+
+        ``init_params`` are *constrained* values (as in ``MCMC.run(init_params=...)`` for
+        NumPyro models with :func:`~numpyro.infer.initialization.init_to_value`); missing
+        sites are drawn by ``init_strategy``."""
+        if init_params is not None:
+            from numpyro.infer.initialization import init_to_value
+
+            unknown = set(init_params) - self._latent
+            if unknown:
+                raise ValueError(
+                    f"`init_params` has unknown sites {sorted(unknown)}; latent sites are "
+                    f"{list(self.latent_names)}."
+                )
+            init_strategy = init_to_value(values=dict(init_params))
+        info = initialize_model(
+            rng_key, self.model, model_kwargs=self._pooled_kwargs, init_strategy=init_strategy
+        )
+        return self.ravel(info.param_info.z)
+
+    def unconstrain(self, values: Mapping[str, Any]) -> Array:
+        """Flat unconstrained vector of *constrained* latent values (e.g. a user's MAP)."""
+        missing = self._latent - set(values)
+        if missing:
+            raise ValueError(f"Values for latent sites {sorted(missing)} are missing.")
+        params = {k: jnp.asarray(values[k]) for k in self.latent_names}
+        return self.ravel(transform_fn(self._inv_transforms, params, invert=True))
+
+    def _check_finite_sum(self, z0: dict) -> None:
+        """The sum of per-row log-likelihoods of client 0 must equal one model call on the
+        client's rows, and latent shapes must not depend on the number of rows."""
+        part = self.partition
+        n0 = int(part.sizes_np[0])
+        rows = {k: v[0, :n0] for k, v in part.data.items()}
+        theta = self.ravel(z0)
+        per_row = jnp.sum(self.rows_loglik(theta, rows))
+        _, whole = _log_parts(self.model, {**rows, **self.shared}, z0, self._latent)
+        if not np.isfinite(float(whole)):
+            return
+        if not np.isclose(float(per_row), float(whole), rtol=1e-4, atol=1e-4 * (1 + n0)):
+            raise ValueError(
+                "The model's log-likelihood does not factorise over the rows of the partitioned "
+                f"arrays {part.keys}: sum over single rows = {float(per_row):.6g}, one call on "
+                f"client 0's {n0} rows = {float(whole):.6g}. Observed sites and numpyro.factor "
+                "terms must be per data row (inside the data plate); put data-independent "
+                "penalties into the prior and non-row arguments into `shared`."
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tr = handlers.trace(handlers.seed(self.model, 0)).get_trace(
+                **{k: v[:1] for k, v in rows.items()}, **self.shared
+            )
+        for name in self.latent_names:
+            shape_row = jnp.shape(tr[name]["value"])
+            shape_all = jnp.shape(self.constrain(theta, deterministic=False)[name])
+            if shape_row != shape_all:
+                raise ValueError(
+                    f"Latent site {name!r} has shape {shape_all} on the pooled data but "
+                    f"{shape_row} on one row: it is local to data rows. The federated kernels "
+                    "sample global parameters only; integrate local latents with "
+                    "numpyro_fed.saem or move them into the likelihood."
+                )
+
+
+def _inverse_transforms(info) -> dict:
+    """Bijections unconstrained -> constrained of every latent site of a model trace."""
+    from numpyro.distributions.transforms import biject_to
+
+    out = {}
+    for name, site in info.model_trace.items():
+        if site["type"] == "sample" and not site["is_observed"]:
+            out[name] = biject_to(site["fn"].support)
+    return out
