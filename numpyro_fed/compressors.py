@@ -1,0 +1,488 @@
+"""Communication compressors for federated Langevin samplers.
+
+A compressor maps a client message ``v`` (a 1-D array of dimension ``d``) to a
+compressed message ``v_hat`` of the same shape and dtype, together with the number of
+bits needed to transmit it.  Compressors are pure functions of a PRNG key and the
+message, so they compose with :func:`jax.jit` and :func:`jax.vmap` (e.g. over a batch
+of clients), in the spirit of ``optax`` gradient transformations.
+
+Two classes of compressors are distinguished:
+
+* **Unbiased** compressors satisfy :math:`\\mathbb{E}[C(v)] = v` and
+  :math:`\\mathbb{E}\\|C(v) - v\\|^2 \\le \\omega \\|v\\|^2`, as required by QLSD
+  [VPD+22]_.  Examples: :func:`quantize` (stochastic quantisation, eq. (4) of [VPD+22]_)
+  and :func:`rand_k`.
+* **Contractive** compressors satisfy :math:`\\mathbb{E}\\|C(v) - v\\|^2 \\le
+  (1 - \\alpha) \\|v\\|^2` with :math:`\\alpha \\in (0, 1]` (Definition 2.1 of ELF
+  [KR23]_).  Examples: :func:`top_k` (:math:`\\alpha = k/d`) and :func:`scaled`
+  versions of unbiased compressors (:math:`\\alpha = 1/(\\omega + 1)`).
+
+Bit accounting
+--------------
+Every compressor reports two sizes:
+
+* ``nominal_bits(d)``: the size of a fixed-width encoding, a Python ``int`` known ahead
+  of time;
+* the *coded* length returned by ``fn`` (an ``int32`` scalar), i.e. the size of the
+  actual message.  For :func:`quantize` it is the QSGD-style sparse encoding of
+  [AGL+17]_ using the **Elias-gamma** integer code [Eli75]_, whose codeword for
+  :math:`n \\ge 1` has :math:`2 \\lfloor \\log_2 n \\rfloor + 1` bits (see
+  :func:`elias_gamma_length`).  For the other compressors coded and nominal lengths
+  coincide.
+
+References
+----------
+.. [VPD+22] M. Vono, V. Plassier, A. Durmus, A. Dieuleveut and E. Moulines.
+   "QLSD: Quantised Langevin Stochastic Dynamics for Bayesian Federated Learning".
+   AISTATS 2022.
+.. [KR23] A. Karagulyan and P. Richtárik. "ELF: Federated Langevin Algorithms with
+   Primal, Dual and Bidirectional Compression". arXiv:2303.04622, 2023.
+.. [AGL+17] D. Alistarh, D. Grubic, J. Li, R. Tomioka and M. Vojnovic. "QSGD:
+   Communication-Efficient SGD via Gradient Quantization and Encoding". NeurIPS 2017.
+.. [Eli75] P. Elias. "Universal codeword sets and representations of the integers".
+   IEEE Transactions on Information Theory 21(2), 1975.
+.. [SCJ18] S. U. Stich, J.-B. Cordonnier and M. Jaggi. "Sparsified SGD with Memory".
+   NeurIPS 2018.
+.. [BHRS20] A. Beznosikov, S. Horváth, P. Richtárik and M. Safaryan. "On Biased
+   Compression for Distributed Learning". arXiv:2002.12410, 2020.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "Compressor",
+    "ceil_log2",
+    "elias_gamma_length",
+    "get_compressor",
+    "identity",
+    "quantize",
+    "rand_k",
+    "scaled",
+    "top_k",
+]
+
+#: Largest admissible number of quantisation levels: levels are computed in floating
+#: point and stored as ``int32``; ``2**24`` is the largest range on which float32
+#: represents every integer exactly.
+MAX_LEVELS = 2**24
+
+_IDENTITY_MARKER = "_numpyro_fed_is_identity"
+
+
+class Compressor(NamedTuple):
+    """A (possibly randomised) compression operator :math:`C: \\mathbb{R}^d \\to
+    \\mathbb{R}^d` with its bit accounting and statistical constants.
+
+    :param name: Human-readable description, e.g. ``"quantize(s=16)"``.
+    :param fn: ``fn(key, v) -> (v_hat, bits)`` where ``v`` is a 1-D floating array of
+        shape ``(d,)``, ``v_hat`` has the same shape and dtype and ``bits`` is an
+        ``int32`` scalar holding the coded length of this message in bits.
+    :param nominal_bits: ``d -> int``, the size in bits of a fixed-width encoding of a
+        message of dimension ``d``.
+    :param omega: ``d -> float``, the variance factor :math:`\\omega` of an unbiased
+        compressor, :math:`\\mathbb{E}\\|C(v) - v\\|^2 \\le \\omega \\|v\\|^2`;
+        ``None`` for biased compressors.
+    :param alpha: ``d -> float``, the contraction factor :math:`\\alpha` with
+        :math:`\\mathbb{E}\\|C(v) - v\\|^2 \\le (1 - \\alpha) \\|v\\|^2`; ``None`` if the
+        compressor is not contractive.
+    :param unbiased: Whether :math:`\\mathbb{E}[C(v)] = v` for every ``v``.
+
+    A compressor is called like its ``fn`` and can be mapped directly, e.g.
+    ``jax.jit(jax.vmap(comp))(keys, vs)`` compresses a batch of client messages.  To
+    compile a single call use ``jax.jit(comp.fn)``: tuples cannot be weakly referenced,
+    which :func:`jax.jit` requires of the callable it wraps.  The ``fn`` of the
+    randomised and sparsifying factories is already wrapped in :func:`jax.jit`, so
+    eager calls are compiled once per input shape and dtype.
+    """
+
+    name: str
+    fn: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+    nominal_bits: Callable[[int], int]
+    omega: Callable[[int], float] | None
+    alpha: Callable[[int], float] | None
+    unbiased: bool
+
+    def __call__(self, key: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Compress ``v`` using randomness from ``key``; see :attr:`fn`."""
+        return self.fn(key, v)
+
+    @property
+    def is_identity(self) -> bool:
+        """``True`` only for compressors built by :func:`identity`."""
+        return bool(getattr(self.fn, _IDENTITY_MARKER, False))
+
+
+# --------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------
+
+
+def ceil_log2(n: int) -> int:
+    """Return :math:`\\lceil \\log_2 n \\rceil` for a Python integer ``n >= 1``.
+
+    Computed exactly with integer arithmetic (no floating-point rounding).
+
+    :param n: A positive integer.
+    :returns: The number of bits needed to index ``n`` distinct values.
+    :raises ValueError: If ``n < 1``.
+    """
+    n = _check_int("n", n, minimum=1)
+    return (n - 1).bit_length()
+
+
+def elias_gamma_length(n: jax.Array) -> jax.Array:
+    """Length in bits of the Elias-gamma codeword of ``n`` [Eli75]_.
+
+    The Elias-gamma code writes :math:`n \\ge 1` as :math:`\\lfloor \\log_2 n \\rfloor`
+    zeros followed by the binary expansion of ``n``, so its length is
+    :math:`2 \\lfloor \\log_2 n \\rfloor + 1`.  The logarithm is computed exactly from
+    the integer bit pattern (``31 - clz(n)``), with no floating-point rounding.
+
+    Integers ``n < 1`` have no codeword; their length is reported as ``0`` (nothing is
+    transmitted), which lets callers sum over masked entries directly.
+
+    :param n: Integer array of any shape (converted to ``int32``).
+    :returns: ``int32`` array of the same shape.
+    """
+    n = jnp.asarray(n).astype(jnp.int32)
+    floor_log2 = 31 - lax.clz(jnp.maximum(n, 1))
+    return jnp.where(n >= 1, 2 * floor_log2 + 1, 0).astype(jnp.int32)
+
+
+def _check_int(arg: str, value: object, *, minimum: int, hint: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"`{arg}` must be a Python integer >= {minimum}, got {value!r} "
+            f"of type {type(value).__name__}.{hint}"
+        )
+    if value < minimum:
+        raise ValueError(f"`{arg}` must be an integer >= {minimum}, got {value}.{hint}")
+    return int(value)
+
+
+def _check_vector(v: jax.Array, compressor: str) -> jax.Array:
+    v = jnp.asarray(v)
+    if v.ndim != 1:
+        raise ValueError(
+            f"{compressor} expects a 1-D message of shape (d,), got shape {v.shape}; "
+            "use jax.vmap to compress a batch of messages."
+        )
+    if not jnp.issubdtype(v.dtype, jnp.floating):
+        raise ValueError(f"{compressor} expects a floating-point message, got dtype {v.dtype}.")
+    return v
+
+
+def _check_k_le_d(k: int, d: int, compressor: str) -> None:
+    if k > d:
+        raise ValueError(
+            f"{compressor}: k={k} exceeds the message dimension d={d}; choose k <= {d} "
+            "(k = d transmits the full vector)."
+        )
+
+
+def _suffix(float_bits: int) -> str:
+    return "" if float_bits == 32 else f", float_bits={float_bits}"
+
+
+def _int32(x: int) -> jax.Array:
+    return jnp.asarray(x, dtype=jnp.int32)
+
+
+# --------------------------------------------------------------------------------------
+# Factories
+# --------------------------------------------------------------------------------------
+
+
+def identity(float_bits: int = 32) -> Compressor:
+    """The identity (no compression): ``v_hat = v``.
+
+    Unbiased with :math:`\\omega = 0` and contractive with :math:`\\alpha = 1`.  A
+    message costs ``float_bits * d`` bits (nominal and coded).
+
+    :param float_bits: Bits per transmitted floating-point number.
+    :returns: The identity :class:`Compressor`.
+    """
+    float_bits = _check_int("float_bits", float_bits, minimum=1)
+
+    def fn(key: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        del key
+        v = _check_vector(v, "identity")
+        return v, _int32(float_bits * v.shape[0])
+
+    setattr(fn, _IDENTITY_MARKER, True)
+    name = "identity" if float_bits == 32 else f"identity(float_bits={float_bits})"
+    return Compressor(
+        name=name,
+        fn=fn,
+        nominal_bits=lambda d: float_bits * d,
+        omega=lambda d: 0.0,
+        alpha=lambda d: 1.0,
+        unbiased=True,
+    )
+
+
+def quantize(
+    levels: int | None = None, *, bits: int | None = None, float_bits: int = 32
+) -> Compressor:
+    """Stochastic quantisation with ``s`` levels, eq. (4) of QLSD [VPD+22]_ (QSGD
+    [AGL+17]_).
+
+    For :math:`v \\in \\mathbb{R}^d` and :math:`r_j = s |v_j| / \\|v\\|`,
+
+    .. math::
+
+        C_j(v) = \\|v\\| \\, \\mathrm{sign}(v_j) \\, l_j / s, \\qquad
+        l_j = \\lfloor r_j \\rfloor + \\mathbb{1}\\{\\xi_j < r_j - \\lfloor r_j \\rfloor\\},
+
+    with :math:`\\xi_j \\sim \\mathrm{Uniform}[0, 1)` i.i.d.  (The strict inequality
+    equals the paper's :math:`\\le` almost surely and guarantees that coordinates with
+    an integer :math:`r_j`, in particular zeros, are never rounded up.)  The zero vector
+    is mapped to zeros.  The compressor is unbiased with
+
+    .. math:: \\omega(d) = \\min(d / s^2, \\sqrt{d} / s).
+
+    **Nominal bits**: ``float_bits + d * (1 + ceil_log2(s + 1))`` (the norm, then a sign
+    bit and a fixed-width level in :math:`\\{0, \\dots, s\\}` per coordinate).
+
+    **Coded bits** (returned by ``fn``): the sparse Elias encoding of [AGL+17]_.  With
+    :math:`\\gamma(n) = 2\\lfloor \\log_2 n \\rfloor + 1` the Elias-gamma length, ``nnz``
+    the number of nonzero levels and, for each coordinate :math:`j` with
+    :math:`l_j \\ne 0`, :math:`\\mathrm{gap}_j = j - j'` where :math:`j'` is the index of
+    the previous coordinate with a nonzero level (:math:`j' = -1` for the first one),
+
+    .. math::
+
+        \\text{bits} = \\texttt{float\\_bits} + \\gamma(\\mathrm{nnz} + 1)
+        + \\sum_{j:\\, l_j \\ne 0} \\big[\\gamma(\\mathrm{gap}_j) + 1 + \\gamma(l_j)\\big],
+
+    i.e. the norm, the count of nonzero entries, then for each nonzero entry its
+    position gap, its sign and its level.
+
+    :param levels: Number of levels :math:`s \\ge 1`.
+    :param bits: Alternatively, a number of bits :math:`b \\ge 0`, giving
+        :math:`s = 2^b`.  Exactly one of ``levels`` and ``bits`` must be given.
+    :param float_bits: Bits used to transmit the norm :math:`\\|v\\|`.
+    :returns: The quantisation :class:`Compressor`, named ``"quantize(s=...)"``.
+    :raises ValueError: If both or neither of ``levels``/``bits`` are given, or if the
+        resulting ``s`` is not an integer in ``[1, 2**24]``.
+    """
+    if (levels is None) == (bits is None):
+        raise ValueError(
+            "quantize: give exactly one of `levels` (number of levels s) or `bits` "
+            f"(s = 2**bits); got levels={levels!r}, bits={bits!r}. "
+            "For example quantize(16) or quantize(bits=4)."
+        )
+    if bits is not None:
+        b = _check_int("bits", bits, minimum=0, hint=" Use e.g. quantize(bits=4) for s=16.")
+        if 2**b > MAX_LEVELS:
+            raise ValueError(f"quantize: `bits` must be <= {MAX_LEVELS.bit_length() - 1}, got {b}.")
+        s = 2**b
+    else:
+        s = _check_int("levels", levels, minimum=1, hint=" Use e.g. quantize(levels=16).")
+        if s > MAX_LEVELS:
+            raise ValueError(f"quantize: `levels` must be <= 2**24, got {s}.")
+    float_bits = _check_int("float_bits", float_bits, minimum=1)
+    level_bits = ceil_log2(s + 1)
+
+    def fn(key: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        v = _check_vector(v, "quantize")
+        d = v.shape[0]
+        norm = jnp.linalg.norm(v)
+        safe_norm = jnp.where(norm > 0, norm, jnp.ones_like(norm))
+        # Multiply before dividing so that exact ratios (e.g. one-hot v) stay exact.
+        r = jnp.clip(s * jnp.abs(v) / safe_norm, 0, s)
+        floor_r = jnp.floor(r)
+        xi = jax.random.uniform(key, (d,), dtype=v.dtype)
+        lvl = floor_r.astype(jnp.int32) + (xi < r - floor_r).astype(jnp.int32)
+        lvl = jnp.where(norm > 0, jnp.minimum(lvl, s), 0)
+        v_hat = (norm * jnp.sign(v) * lvl.astype(v.dtype) / s).astype(v.dtype)
+
+        nz = lvl != 0
+        idx = jnp.arange(d, dtype=jnp.int32)
+        last_nz = lax.cummax(jnp.where(nz, idx, -1), axis=0)
+        prev_nz = jnp.concatenate([jnp.full((1,), -1, jnp.int32), last_nz[:-1]])
+        per_coord = elias_gamma_length(idx - prev_nz) + 1 + elias_gamma_length(lvl)
+        nnz = jnp.sum(nz, dtype=jnp.int32)
+        coded = (
+            float_bits
+            + elias_gamma_length(nnz + 1)
+            + jnp.sum(jnp.where(nz, per_coord, 0), dtype=jnp.int32)
+        )
+        return v_hat, coded.astype(jnp.int32)
+
+    return Compressor(
+        name=f"quantize(s={s}{_suffix(float_bits)})",
+        fn=jax.jit(fn),
+        nominal_bits=lambda d: float_bits + d * (1 + level_bits),
+        omega=lambda d: min(d / s**2, math.sqrt(d) / s),
+        alpha=None,
+        unbiased=True,
+    )
+
+
+def top_k(k: int, float_bits: int = 32) -> Compressor:
+    """Top-k sparsification [SCJ18]_: keep the ``k`` coordinates of largest magnitude.
+
+    Biased and contractive with :math:`\\alpha(d) = k/d`, deterministically:
+    :math:`\\|C(v) - v\\|^2 \\le (1 - k/d)\\|v\\|^2`.  Ties are broken towards lower
+    indices.  Each kept coordinate costs a value and an index, so nominal and coded
+    sizes are ``k * (float_bits + ceil_log2(d))``.
+
+    :param k: Number of coordinates kept, ``1 <= k <= d``.
+    :param float_bits: Bits per transmitted value.
+    :returns: The top-k :class:`Compressor`, named ``"top_k(k=...)"``.
+    :raises ValueError: If ``k`` is not an integer ``>= 1`` (at construction) or if
+        ``k > d`` (when applied to a message of dimension ``d``; shapes are static, so
+        this is raised at trace time under :func:`jax.jit`).
+    """
+    k = _check_int("k", k, minimum=1, hint=" Use e.g. top_k(k=3).")
+    float_bits = _check_int("float_bits", float_bits, minimum=1)
+    name = f"top_k(k={k}{_suffix(float_bits)})"
+
+    def fn(key: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        del key
+        v = _check_vector(v, "top_k")
+        d = v.shape[0]
+        _check_k_le_d(k, d, "top_k")
+        _, idx = lax.top_k(jnp.abs(v), k)
+        v_hat = jnp.zeros_like(v).at[idx].set(v[idx])
+        return v_hat, _int32(k * (float_bits + ceil_log2(d)))
+
+    return Compressor(
+        name=name,
+        fn=jax.jit(fn),
+        nominal_bits=lambda d: k * (float_bits + ceil_log2(d)),
+        omega=None,
+        alpha=lambda d: k / d,
+        unbiased=False,
+    )
+
+
+def rand_k(k: int, float_bits: int = 32) -> Compressor:
+    """Random-k sparsification [SCJ18]_: keep ``k`` coordinates chosen uniformly
+    without replacement and rescale them by ``d/k``.
+
+    Unbiased with :math:`\\mathbb{E}\\|C(v) - v\\|^2 = (d/k - 1)\\|v\\|^2`, i.e.
+    :math:`\\omega(d) = d/k - 1`.  The subset is the top-k of ``d`` i.i.d. uniform
+    32-bit integers (ties, of probability :math:`< d^2 / 2^{33}`, go to lower indices).
+    Nominal and coded sizes are ``k * (float_bits + ceil_log2(d))``.
+
+    :param k: Number of coordinates kept, ``1 <= k <= d``.
+    :param float_bits: Bits per transmitted value.
+    :returns: The rand-k :class:`Compressor`, named ``"rand_k(k=...)"``.
+    :raises ValueError: If ``k`` is not an integer ``>= 1`` (at construction) or if
+        ``k > d`` (when applied to a message of dimension ``d``).
+    """
+    k = _check_int("k", k, minimum=1, hint=" Use e.g. rand_k(k=3).")
+    float_bits = _check_int("float_bits", float_bits, minimum=1)
+    name = f"rand_k(k={k}{_suffix(float_bits)})"
+
+    def fn(key: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        v = _check_vector(v, "rand_k")
+        d = v.shape[0]
+        _check_k_le_d(k, d, "rand_k")
+        _, idx = lax.top_k(jax.random.bits(key, (d,), dtype=jnp.uint32), k)
+        v_hat = jnp.zeros_like(v).at[idx].set(v[idx] * (d / k))
+        return v_hat, _int32(k * (float_bits + ceil_log2(d)))
+
+    return Compressor(
+        name=name,
+        fn=jax.jit(fn),
+        nominal_bits=lambda d: k * (float_bits + ceil_log2(d)),
+        omega=lambda d: d / k - 1,
+        alpha=None,
+        unbiased=True,
+    )
+
+
+def scaled(compressor: Compressor) -> Compressor:
+    """Contractive version :math:`C(v) / (\\omega + 1)` of an unbiased compressor.
+
+    If :math:`C` is unbiased with variance factor :math:`\\omega`, then
+    :math:`C / (\\omega + 1)` is contractive with :math:`\\alpha = 1 / (\\omega + 1)`
+    ([BHRS20]_, Lemma 1; ELF [KR23]_).  It is biased; its bit costs are those of
+    ``compressor``.
+
+    :param compressor: An unbiased :class:`Compressor` (with ``omega`` defined).
+    :returns: The scaled :class:`Compressor`, named ``"scaled(<inner name>)"``.
+    :raises ValueError: If ``compressor`` is not unbiased.
+    """
+    if not isinstance(compressor, Compressor):
+        raise ValueError(f"scaled: `compressor` must be a Compressor, got {compressor!r}.")
+    if not compressor.unbiased or compressor.omega is None:
+        raise ValueError(
+            f"scaled: `compressor` must be unbiased with a variance factor omega, but "
+            f"{compressor.name} is biased; scaled() only applies to unbiased compressors "
+            "such as quantize(...) or rand_k(...)."
+        )
+    inner_fn, inner_omega = compressor.fn, compressor.omega
+
+    def fn(key: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        v = _check_vector(v, "scaled")
+        v_hat, bits = inner_fn(key, v)
+        factor = 1.0 / (inner_omega(v.shape[0]) + 1.0)
+        return (v_hat * factor).astype(v.dtype), bits
+
+    return Compressor(
+        name=f"scaled({compressor.name})",
+        fn=fn,
+        nominal_bits=compressor.nominal_bits,
+        omega=None,
+        alpha=lambda d: 1.0 / (inner_omega(d) + 1.0),
+        unbiased=False,
+    )
+
+
+_SPEC_FORMS = (
+    "a Compressor, None (identity), 'identity', 'quantize:<levels>', 'qsgd:<levels>', "
+    "'bits:<b>' (s = 2**b levels), 'top_k:<k>', 'rand_k:<k>'"
+)
+
+_PARAMETRIC: dict[str, Callable[[int], Compressor]] = {
+    "quantize": lambda n: quantize(levels=n),
+    "qsgd": lambda n: quantize(levels=n),
+    "bits": lambda n: quantize(bits=n),
+    "top_k": top_k,
+    "rand_k": rand_k,
+}
+
+
+def get_compressor(spec: Compressor | str | None) -> Compressor:
+    """Build a :class:`Compressor` from a short specification.
+
+    :param spec: A :class:`Compressor` (returned unchanged), ``None`` (identity) or a
+        string: ``"identity"``, ``"quantize:16"`` / ``"qsgd:16"`` (16 levels),
+        ``"bits:4"`` (:math:`s = 2^4` levels), ``"top_k:3"`` or ``"rand_k:3"``.
+        Matching is case-insensitive and ignores surrounding whitespace.
+    :returns: The corresponding :class:`Compressor`.
+    :raises ValueError: For an unknown or malformed specification.
+    """
+    if spec is None:
+        return identity()
+    if isinstance(spec, Compressor):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"get_compressor: unsupported spec {spec!r}; valid forms: {_SPEC_FORMS}.")
+    text = spec.strip().lower()
+    if text == "identity":
+        return identity()
+    head, sep, arg = text.partition(":")
+    if sep and head.strip() in _PARAMETRIC:
+        try:
+            n = int(arg.strip())
+        except ValueError:
+            raise ValueError(
+                f"get_compressor: {spec!r} needs an integer after ':', e.g. "
+                f"'{head.strip()}:4'; valid forms: {_SPEC_FORMS}."
+            ) from None
+        return _PARAMETRIC[head.strip()](n)
+    raise ValueError(f"get_compressor: unknown spec {spec!r}; valid forms: {_SPEC_FORMS}.")
