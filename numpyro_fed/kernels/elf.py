@@ -1,0 +1,354 @@
+"""Error-feedback Langevin algorithms (ELF): D-ELF, P-ELF and B-ELF.
+
+Karagulyan & Richtárik, "ELF: Federated Langevin Algorithms with Primal, Dual and
+Bidirectional Compression" (arXiv:2303.04622; ``papers/002``). Three federated Langevin
+Monte Carlo (LMC) samplers that compress the messages with a *contractive* compressor
+(Def. 2.1: :math:`\\mathbb{E}\\|\\mathcal{Q}(v) - v\\|^2 \\le (1-\\alpha)\\|v\\|^2`) and
+correct the compression error with error feedback:
+
+* :class:`DELF` -- *dual* compression (Alg. 1, EF21 on the uplink): clients send
+  :math:`\\mathcal{Q}^D(\\nabla U_i(x_{k+1}) - g^i_k)`; the server broadcasts the dense
+  :math:`x_{k+1}`.
+* :class:`PELF` -- *primal* compression (Alg. 2, EF21-P on the downlink): the server
+  broadcasts :math:`\\mathcal{Q}^P(x_{k+1} - w_k)`; clients keep the shadow model
+  :math:`w_k` and send dense :math:`\\nabla U_i(w_{k+1})`.
+* :class:`BELF` -- *bidirectional* compression (Alg. 3): both.
+* :class:`ELF` -- the three behind one class, ``ELF(..., variant="D"|"P"|"B")``.
+
+With identity compressors all three reduce to federated LMC, i.e.
+:class:`~numpyro_fed.kernels.langevin.FederatedLangevin` with full local gradients (the
+papers' uncompressed baseline); with the same key they produce the same chain.
+
+**Conventions.** The target is :math:`\\pi \\propto e^{-U}` with :math:`U = U_0 + \\sum_{i=1}^b
+U_i` (*sum* over the :math:`b` clients; :math:`U_0` is the server's prior share, zero with the
+default ``prior="split"``). The ELF paper *averages*: :math:`F = \\frac1b\\sum_i f_i` and its
+server update is :math:`g_{k+1} = g_k + \\frac1b\\sum_i(\\cdot)`. The two coincide with
+:math:`U_i = f_i / b`; the paper's tempered logistic target
+:math:`f_i = \\frac1{N_i}\\sum_j \\ell_{ij} + \\frac\\lambda2\\|x\\|^2` is obtained with
+``likelihood_weight = 1/(b N_i)``, ``prior="split"`` and a Gaussian prior of variance
+:math:`1/\\lambda` (see :class:`~numpyro_fed.potential.FederatedPotential`).
+
+**Bits.** ``bits_up`` is the sum over clients of the coded lengths of their messages;
+``bits_down`` is the number of bits *received by the clients*, i.e. ``b`` times the length of
+the broadcast message (a dense float32 vector costs ``32 d``). The one-off rounds at
+initialisation (broadcast of :math:`x_0` or :math:`\\mathcal{Q}^P(x_0)`, dense initial
+gradients :math:`\\nabla U_i(w_0)`) are added to the cumulative counters
+``state.total_up`` / ``state.total_down`` but not to the per-step sample fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import random
+from numpyro.infer.initialization import init_to_uniform
+
+from numpyro_fed.compressors import Compressor, get_compressor, identity
+from numpyro_fed.kernels.base import langevin_move
+from numpyro_fed.kernels.langevin import FederatedKernel
+from numpyro_fed.partition import ClientPartition
+from numpyro_fed.potential import FederatedPotential
+
+__all__ = [
+    "ELFState",
+    "ELF",
+    "DELF",
+    "PELF",
+    "BELF",
+    "ELF_VARIANTS",
+    "check_contractive",
+    "lmc_bits_per_step",
+]
+
+#: Variants of :class:`ELF` and what they compress.
+ELF_VARIANTS = {
+    "D": "dual: EF21 on the uplink (Alg. 1)",
+    "P": "primal: EF21-P on the downlink (Alg. 2)",
+    "B": "bidirectional: EF21-P down + EF21 up (Alg. 3)",
+}
+_W0_MODES = ("x0", "compressed")
+
+
+class ELFState(NamedTuple):
+    """Algorithm state of the ELF kernels (the ``extra`` field of
+    :class:`~numpyro_fed.kernels.langevin.FedState`; one chain, vectorized chains add a
+    leading axis).
+
+    - **g_local** -- ``(b, d)``: the clients' gradient estimators :math:`g^i_k`. D-ELF and
+      B-ELF: EF21 estimators of :math:`\\nabla U_i(x_k)` resp. :math:`\\nabla U_i(w_k)`; P-ELF:
+      the exact :math:`\\nabla U_i(w_k)` the clients last sent.
+    - **g** -- ``(d,)``: the server's estimator :math:`g_k`, updated only from the received
+      messages; error feedback keeps :math:`g_k = \\sum_i g^i_k` (up to rounding).
+    - **w** -- ``(d,)``: the model the clients hold: :math:`x_k` for D-ELF, the EF21-P shadow
+      iterate :math:`w_k` for P-ELF and B-ELF.
+
+    Collect them with ``mcmc.run(key, extra_fields=("extra.g", "extra.g_local"))``.
+    """
+
+    g_local: jax.Array
+    g: jax.Array
+    w: jax.Array
+
+
+def check_contractive(compressor: Compressor | str | None, arg: str) -> Compressor:
+    """Return ``compressor`` as a :class:`~numpyro_fed.compressors.Compressor` after checking
+    that it is contractive (ELF Def. 2.1: ``alpha`` defined).
+
+    :raises ValueError: for an unbiased compressor that is not contractive (e.g. raw
+        ``quantize`` or ``rand_k``), suggesting ``compressors.scaled(...)``.
+    """
+    comp = get_compressor(compressor)
+    if comp.alpha is None:
+        raise ValueError(
+            f"`{arg}`={comp.name} is not a contractive compressor (ELF Def. 2.1), which "
+            "error feedback requires. Use compressors.top_k(k), or scale an unbiased "
+            f"compressor by 1/(omega+1): compressors.scaled({comp.name})."
+        )
+    return comp
+
+
+class ELF(FederatedKernel):
+    """Error-feedback Langevin algorithm, ``variant="D"`` (D-ELF, Alg. 1), ``"P"`` (P-ELF,
+    Alg. 2) or ``"B"`` (B-ELF, Alg. 3) of the ELF paper, as a NumPyro ``MCMCKernel``.
+
+    One iteration (sum convention :math:`U = U_0 + \\sum_i U_i`, see the module docstring;
+    :math:`\\mathcal{Q}^D` = ``uplink``, :math:`\\mathcal{Q}^P` = ``downlink``):
+
+    .. math::
+
+        x_{k+1} &= x_k - \\gamma\\,[\\nabla U_0(x_k) + g_k] + \\sqrt{2\\gamma}\\,Z_k
+        \\\\
+        w_{k+1} &= w_k + \\mathcal{Q}^P(x_{k+1} - w_k)
+            \\quad (\\text{P, B; D: } w_{k+1} = x_{k+1})
+        \\\\
+        g^i_{k+1} &= g^i_k + \\mathcal{Q}^D(H_i(w_{k+1}) - g^i_k)
+            \\quad (\\text{D, B; P: } g^i_{k+1} = H_i(w_{k+1}))
+        \\\\
+        g_{k+1} &= g_k + \\textstyle\\sum_i \\mathcal{Q}^D(H_i(w_{k+1}) - g^i_k)
+            \\quad (\\text{P: } g_{k+1} = \\sum_i H_i(w_{k+1}))
+
+    in the order of Algorithm 3: the server moves :math:`x`, compresses and broadcasts the
+    model update, the clients update :math:`w`, then their gradient estimators, and the
+    server aggregates. :math:`H_i` is the exact local gradient :math:`\\nabla U_i` (the
+    paper) or, with ``batch_size=n``, the minibatch oracle :math:`(N_i/n)\\sum_{j\\in
+    S_i}\\nabla U_{ij}` plus the exact prior share (not in the paper; off by default).
+    The server's prior share :math:`\\nabla U_0` (``prior="server"``) is evaluated at the
+    server's exact :math:`x_k`.
+
+    **Initialisation** (one-off rounds, counted in ``total_up`` / ``total_down``): the server
+    sends :math:`w_0` to every client -- :math:`w_0 = x_0` dense (Alg. 1-3, ``w0="x0"``,
+    :math:`32 d b` bits) or :math:`w_0 = \\mathcal{Q}^P(x_0)` (eq. (3), ``w0="compressed"``,
+    P/B only, ``b`` times the coded length) -- and the clients reply with dense
+    :math:`g^i_0 = \\nabla U_i(w_0)` (exact gradients even with ``batch_size``), so that
+    :math:`g_0 = \\sum_i g^i_0` (:math:`32 d b` bits).
+
+    **Bits per step** (sample fields ``bits_up``, ``bits_down``): D-ELF sends
+    :math:`\\sum_i |\\mathcal{Q}^D(\\cdot)|` up and :math:`32 d b` down; P-ELF :math:`32 d b`
+    up and :math:`b\\,|\\mathcal{Q}^P(x_{k+1} - w_k)|` down; B-ELF the compressed sizes both
+    ways (``|.|`` = the compressor's coded length, ``k(32 + \\lceil\\log_2 d\\rceil)`` for
+    Top-k).
+
+    :param model: an ordinary NumPyro model.
+    :param partition: the :class:`~numpyro_fed.partition.ClientPartition` of its data.
+    :param variant: ``"D"``, ``"P"`` or ``"B"``.
+    :param step_size: :math:`\\gamma`.
+    :param uplink: contractive compressor :math:`\\mathcal{Q}^D` of the client messages
+        (variants D and B; ``None`` = identity). E.g. ``compressors.top_k(1)`` or
+        ``compressors.scaled(compressors.quantize(4))``.
+    :param downlink: contractive compressor :math:`\\mathcal{Q}^P` of the model broadcast
+        (variants P and B; ``None`` = identity).
+    :param w0: ``"x0"`` (:math:`w_0 = x_0`, Alg. 2/3) or ``"compressed"``
+        (:math:`w_0 = \\mathcal{Q}^P(x_0)`, eq. (3)); variants P and B.
+    :param batch_size: per-client minibatch size for :math:`H_i` (``None``: exact local
+        gradients, as in the paper).
+    :param prior: who holds the prior (see :class:`~numpyro_fed.potential.FederatedPotential`).
+    :param likelihood_weight: likelihood weight per client (``1/(b N_i)`` for the ELF paper's
+        tempered target).
+    :param init_strategy: NumPyro initialisation strategy.
+    :param check_finite: stop with a clear error when a chain becomes non-finite.
+    :param postprocess_deterministic: return deterministic sites in the samples.
+    :param potential: a prebuilt :class:`~numpyro_fed.potential.FederatedPotential`.
+
+    **Example**
+
+    .. code-block:: python
+
+        kernel = ELF(model, clients, variant="B", step_size=1e-3,
+                     uplink=compressors.top_k(1), downlink=compressors.top_k(1))
+        mcmc = MCMC(kernel, num_warmup=1000, num_samples=5000, num_chains=4,
+                    chain_method="vectorized")
+        mcmc.run(random.key(0))
+        idata = az.from_numpyro(mcmc)   # bits_up / bits_down in idata.sample_stats
+    """
+
+    variant: str = "D"
+
+    def __init__(
+        self,
+        model: Callable,
+        partition: ClientPartition,
+        *,
+        variant: str | None = None,
+        step_size: float,
+        uplink: Compressor | str | None = None,
+        downlink: Compressor | str | None = None,
+        w0: str = "x0",
+        batch_size: int | None = None,
+        prior: str | Any = "split",
+        likelihood_weight: float | Any = 1.0,
+        init_strategy: Callable = init_to_uniform,
+        check_finite: bool = True,
+        postprocess_deterministic: bool = True,
+        potential: FederatedPotential | None = None,
+    ) -> None:
+        variant = type(self).variant if variant is None else variant
+        if not isinstance(variant, str) or variant.upper() not in ELF_VARIANTS:
+            options = ", ".join(f"{k!r} ({v})" for k, v in ELF_VARIANTS.items())
+            raise ValueError(f"Unknown ELF `variant`={variant!r}; choose one of {options}.")
+        variant = variant.upper()
+        self.variant = variant
+        compress_up = variant in ("D", "B")
+        compress_down = variant in ("P", "B")
+        if not compress_up and uplink is not None:
+            raise ValueError(
+                "P-ELF sends dense gradients on the uplink and takes no `uplink` compressor; "
+                "use variant='B' (BELF) to compress both directions."
+            )
+        if not compress_down and downlink is not None:
+            raise ValueError(
+                "D-ELF broadcasts the dense model and takes no `downlink` compressor; "
+                "use variant='B' (BELF) to compress both directions."
+            )
+        if w0 not in _W0_MODES:
+            raise ValueError(f"`w0` must be one of {_W0_MODES}, got {w0!r}.")
+        if w0 == "compressed" and not compress_down:
+            raise ValueError(
+                "`w0='compressed'` (w_0 = Q^P(x_0), ELF eq. (3)) needs a downlink compressor: "
+                "use variant 'P' or 'B'."
+            )
+        up = check_contractive(uplink, "uplink")
+        down = check_contractive(downlink, "downlink")
+        super().__init__(
+            model,
+            partition,
+            step_size=step_size,
+            batch_size=batch_size,
+            compressor=up,
+            prior=prior,
+            likelihood_weight=likelihood_weight,
+            init_strategy=init_strategy,
+            check_finite=check_finite,
+            postprocess_deterministic=postprocess_deterministic,
+            potential=potential,
+        )
+        self.uplink = up
+        self.downlink = down
+        self.w0 = w0
+        self._compress_up = compress_up
+        self._compress_down = compress_down
+        self.name = f"{variant}-ELF"
+
+    def __repr__(self) -> str:
+        return (
+            f"{self.name}(step_size={self._step_size:.3g}, uplink={self.uplink.name}, "
+            f"downlink={self.downlink.name}, batch_size={self.batch_size})"
+        )
+
+    # -- helpers -------------------------------------------------------------------------
+    def _dense_bits(self, data: ClientPartition) -> int:
+        """Bits of one dense float32 message of size ``d`` from every client (or to every
+        client)."""
+        return self.broadcast_bits(data)
+
+    def _broadcast_update(self, key, x_new, w, data):
+        """EF21-P downlink: ``w + Q^P(x_new - w)`` and the bits received by the clients."""
+        v, bits = self.downlink(key, x_new - w)
+        return w + v, (data.num_clients * bits).astype(jnp.int32)
+
+    # -- algorithm interface -------------------------------------------------------------
+    def init_extra(self, key, x, data):
+        """Initial rounds: broadcast :math:`w_0`, dense :math:`g^i_0 = \\nabla U_i(w_0)`."""
+        if self.w0 == "compressed":
+            w, down = self._broadcast_update(key, x, jnp.zeros_like(x), data)
+        else:
+            w, down = x, self._dense_bits(data)
+        g_local = self.potential.full_grads(w, data)
+        state = ELFState(g_local=g_local, g=jnp.sum(g_local, axis=0), w=w)
+        return state, self._dense_bits(data), down
+
+    def step(self, key, noise_key, i, x, extra, data):
+        """One ELF iteration (Alg. 1, 2 or 3; order of Alg. 3)."""
+        k_batch, k_down, k_up = random.split(key, 3)
+        # server: Langevin move with the current estimator g_k (+ its own prior share)
+        drift = self.potential.server_grad(x) + extra.g
+        x_new = langevin_move(noise_key, x, drift, self._step_size)
+        # downlink: dense x_{k+1} (D) or EF21-P update of the shadow model (P, B)
+        if self._compress_down:
+            w_new, down = self._broadcast_update(k_down, x_new, extra.w, data)
+        else:
+            w_new, down = x_new, jnp.int32(self._dense_bits(data))
+        # clients: local gradients at the model they hold
+        h = self.oracle(k_batch, w_new, data)
+        # uplink: EF21 messages (D, B) or dense gradients (P)
+        if self._compress_up:
+            c, up = self.compress_all(k_up, h - extra.g_local, self.uplink)
+            g_local = extra.g_local + c
+            g = extra.g + jnp.sum(c, axis=0)
+        else:
+            g_local, g, up = h, jnp.sum(h, axis=0), jnp.int32(self._dense_bits(data))
+        return x_new, ELFState(g_local=g_local, g=g, w=w_new), up, down
+
+
+class DELF(ELF):
+    """D-ELF (ELF paper, Alg. 1): EF21 compression of the client-to-server messages.
+
+    ``DELF(model, partition, step_size=..., uplink=compressors.top_k(k))``; see :class:`ELF`
+    for the recursion, initialisation, bits and all parameters."""
+
+    variant = "D"
+
+    def __init__(self, model: Callable, partition: ClientPartition, **kwargs: Any) -> None:
+        _no_variant(kwargs, "DELF")
+        super().__init__(model, partition, **kwargs)
+
+
+class PELF(ELF):
+    """P-ELF (ELF paper, Alg. 2): EF21-P compression of the server-to-client broadcast.
+
+    ``PELF(model, partition, step_size=..., downlink=compressors.top_k(k), w0="x0")``; see
+    :class:`ELF` for the recursion, initialisation, bits and all parameters."""
+
+    variant = "P"
+
+    def __init__(self, model: Callable, partition: ClientPartition, **kwargs: Any) -> None:
+        _no_variant(kwargs, "PELF")
+        super().__init__(model, partition, **kwargs)
+
+
+class BELF(ELF):
+    """B-ELF (ELF paper, Alg. 3): EF21-P on the downlink and EF21 on the uplink.
+
+    ``BELF(model, partition, step_size=..., uplink=top_k(k), downlink=top_k(k))``; see
+    :class:`ELF` for the recursion, initialisation, bits and all parameters."""
+
+    variant = "B"
+
+    def __init__(self, model: Callable, partition: ClientPartition, **kwargs: Any) -> None:
+        _no_variant(kwargs, "BELF")
+        super().__init__(model, partition, **kwargs)
+
+
+def _no_variant(kwargs: dict, cls: str) -> None:
+    if "variant" in kwargs:
+        raise ValueError(f"{cls} fixes the variant; use ELF(..., variant=...) to choose it.")
+
+
+# A convenience for the uncompressed baseline's bit count in docs and examples.
+def lmc_bits_per_step(num_clients: int, dim: int) -> tuple[int, int]:
+    """Bits per step of federated LMC (dense gradients up, dense model down):
+    ``(32 d b, 32 d b)``."""
+    dense = identity().nominal_bits(dim) * num_clients
+    return dense, dense
