@@ -1,0 +1,490 @@
+"""QLSD family: quantised Langevin stochastic dynamics (Vono et al., AISTATS 2022).
+
+All variants are one recursion (QLSD paper [VPD+22]_, Alg. 1 and Alg. 2):
+
+.. math::
+
+    g_i = \\mathcal{C}\\big(H_i(\\theta_k) - \\eta_k^{(i)}\\big), \\qquad
+    g = \\nabla U_0(\\theta_k) + c + \\eta_k + \\textstyle\\sum_i g_i, \\qquad
+    \\theta_{k+1} = \\theta_k - \\gamma g + \\sqrt{2\\gamma}\\, Z_{k+1},
+
+with memory terms :math:`\\eta^{(i)}_{k+1} = \\eta^{(i)}_k + \\alpha g_i`,
+:math:`\\eta_{k+1} = \\eta_k + \\alpha\\sum_i g_i`, :math:`\\eta_0 = 0` (text of Sec. 2 and
+Table 1; the pseudo-code of Alg. 2 swaps the "QLSD*" / "QLSD++" labels of the memory update),
+:math:`\\nabla U_0` the server's share of the prior (zero with the default split prior), and
+the client oracle :math:`H_i` and server offset :math:`c` of each variant:
+
+* **QLSD#** (Alg. 1): :math:`H_i = (N_i/n)\\sum_{j\\in S_i}\\nabla U_{ij}(\\theta)` (or the
+  exact :math:`\\nabla U_i(\\theta)` when ``batch_size=None``, or any user oracle), :math:`c=0`.
+* **QLSD*** (Alg. 2): :math:`H_i = (N_i/n)\\sum_{j\\in S_i}[\\nabla U_{ij}(\\theta) -
+  \\nabla U_{ij}(\\theta^\\star)]` and :math:`c = g^\\star = \\sum_i \\nabla U_i(\\theta^\\star)`.
+  The paper sets :math:`c = 0`, which is unbiased only when :math:`\\nabla U(\\theta^\\star)=0`
+  exactly; a numerically found (or user-given, constrained-space) :math:`\\theta^\\star` is not
+  an exact minimiser of the unconstrained potential, so :math:`g^\\star` is computed once (one
+  counted round) and added on the server, which makes :math:`\\sum_i H_i + c` unbiased for
+  :math:`\\nabla U(\\theta)` for *any* :math:`\\theta^\\star`.
+* **QLSD++** (Alg. 2): SVRG control point :math:`\\zeta_k` reset to :math:`\\theta_k` when
+  :math:`k \\equiv 0 \\pmod l`; :math:`H_i = (N_i/n)\\sum_{j\\in S_i}[\\nabla U_{ij}(\\theta) -
+  \\nabla U_{ij}(\\zeta_k)] + \\nabla U_i(\\zeta_k)`, :math:`c = 0`. Each client computes
+  :math:`\\nabla U_i(\\zeta_k)` from the :math:`\\theta_k` it has just received: the refresh costs
+  computation, not communication. The refresh is a ``lax.cond`` on the iteration counter, which
+  is shared (unbatched) by vectorized chains, so it stays a real branch: the full local
+  gradients are computed once every ``l`` steps, not every step.
+
+With the identity compressor these are LSD# / LSD* / LSD++ (the papers' uncompressed
+baselines); with the identity compressor and full local gradients every variant is federated
+ULA, and produces the same chain as :class:`~numpyro_fed.kernels.langevin.ULA` for the same
+key (up to floating-point summation order).
+
+**Stochastic quantisation** (eq. (4)) is :func:`numpyro_fed.compressors.quantize`; the
+papers' "b bits" is :math:`s = 2^b` levels: ``compressor="bits:4"``, ``bits=4``,
+``quantize(bits=4)`` and ``levels=16`` are the same compressor.
+
+.. [VPD+22] M. Vono, V. Plassier, A. Durmus, A. Dieuleveut and E. Moulines. "QLSD: Quantised
+   Langevin Stochastic Dynamics for Bayesian Federated Learning". AISTATS 2022.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax, random
+from numpyro.infer.initialization import init_to_uniform
+
+from numpyro_fed.compressors import Compressor, identity, quantize
+from numpyro_fed.kernels.base import langevin_move, split_chain_keys
+from numpyro_fed.kernels.langevin import FederatedKernel
+from numpyro_fed.partition import ClientPartition
+
+__all__ = [
+    "QLSD",
+    "QLSDSharp",
+    "QLSDStar",
+    "QLSDPlusPlus",
+    "LSD",
+    "QLSDExtra",
+    "ThetaStarSearch",
+    "VARIANTS",
+    "find_theta_star",
+]
+
+#: Accepted spellings of the three variants, mapped to their canonical names.
+VARIANTS: dict[str, str] = {
+    "#": "#", "sharp": "#", "*": "*", "star": "*", "++": "++", "plusplus": "++",
+}
+
+
+class QLSDExtra(NamedTuple):
+    """Per-chain algorithm state of :class:`QLSD` (``FedState.extra``).
+
+    Fields not used by a configuration are empty arrays of shape ``(0,)``.
+
+    - **eta_clients** -- client memory terms :math:`\\eta^{(i)}_k`, shape ``(b, d)``.
+    - **eta** -- server memory :math:`\\eta_k = \\sum_i \\eta^{(i)}_k`, shape ``(d,)``.
+    - **zeta** -- QLSD++ control point :math:`\\zeta_k`, shape ``(d,)``.
+    - **grad_zeta** -- :math:`\\nabla U_i(\\zeta_k)` held by each client, shape ``(b, d)``.
+    - **refreshes** -- number of QLSD++ control-point refreshes so far (int32).
+    """
+
+    eta_clients: jax.Array
+    eta: jax.Array
+    zeta: jax.Array
+    grad_zeta: jax.Array
+    refreshes: jax.Array
+
+
+class ThetaStarSearch(NamedTuple):
+    """Communication and outcome of QLSD*'s federated search for :math:`\\theta^\\star`.
+
+    - **method** -- ``"bfgs"``, ``"adam"`` or ``"user"`` (given by the user: no search).
+    - **rounds** -- communication rounds of the search (one per gradient evaluation).
+    - **bits_up** / **bits_down** -- bits of the search, uplink (summed over clients) and
+      downlink (broadcasts to all clients).
+    - **grad_norm** -- :math:`\\|\\nabla U(\\theta^\\star)\\|` at the point found.
+    - **converged** -- whether the optimiser met its tolerance.
+    """
+
+    method: str
+    rounds: int
+    bits_up: int
+    bits_down: int
+    grad_norm: float
+    converged: bool
+
+
+def _canonical_variant(variant: str) -> str:
+    key = variant.strip().lower() if isinstance(variant, str) else variant
+    if key not in VARIANTS:
+        raise ValueError(
+            f"Unknown `variant`={variant!r}; use one of {sorted(VARIANTS)} "
+            "('#'/'sharp': QLSD#, '*'/'star': QLSD*, '++'/'plusplus': QLSD++)."
+        )
+    return VARIANTS[key]
+
+
+def find_theta_star(
+    potential,
+    data: ClientPartition,
+    x0: jax.Array,
+    *,
+    method: str = "bfgs",
+    maxiter: int = 1000,
+    gtol: float = 1e-5,
+    learning_rate: float = 1e-2,
+) -> tuple[jax.Array, ThetaStarSearch]:
+    """Federated minimisation of :math:`U = U_0 + \\sum_i U_i` from ``x0`` (one compiled loop).
+
+    Each iteration is one communication round: the server broadcasts :math:`\\theta`
+    (``b`` dense float32 vectors), every client returns :math:`\\nabla U_i(\\theta)` (and, for
+    BFGS's line search, the scalar :math:`U_i(\\theta)`).
+
+    :param potential: a :class:`~numpyro_fed.potential.FederatedPotential`.
+    :param data: the client partition.
+    :param x0: flat unconstrained starting point.
+    :param method: ``"bfgs"`` (``jax.scipy.optimize.minimize``) or ``"adam"`` (full-gradient
+        Adam in a ``lax.while_loop``, stops when :math:`\\|\\nabla U\\| \\le` ``gtol``
+        :math:`\\cdot\\max(1, \\|\\nabla U(x_0)\\|)`).
+    :param maxiter: maximal number of iterations.
+    :param gtol: gradient tolerance.
+    :param learning_rate: Adam's step size.
+    :return: ``(theta_star, ThetaStarSearch)``.
+    """
+    b, d = data.num_clients, potential.dim
+
+    def grad_u(x):
+        return jnp.sum(potential.full_grads(x, data), 0) + potential.server_grad(x)
+
+    if method == "bfgs":
+        from jax.scipy.optimize import minimize
+
+        fun = lambda x: potential.potential(x, data)  # noqa: E731
+        res = jax.jit(
+            lambda x: minimize(fun, x, method="BFGS", options={"maxiter": maxiter, "gtol": gtol})
+        )(x0)
+        theta = res.x
+        rounds = int(res.nfev)
+        converged = bool(res.success)
+        up_per_round = b * (32 * d + 32)  # gradient + value for the line search
+    elif method == "adam":
+        b1, b2, eps = 0.9, 0.999, 1e-8
+        g0 = jnp.linalg.norm(grad_u(x0))
+        tol = gtol * jnp.maximum(1.0, g0)
+
+        def cond(c):
+            k, _, _, _, gnorm = c
+            return (k < maxiter) & (gnorm > tol)
+
+        def body(c):
+            k, x, m, v, _ = c
+            g = grad_u(x)
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g**2
+            t = (k + 1).astype(x.dtype)
+            mh, vh = m / (1 - b1**t), v / (1 - b2**t)
+            return k + 1, x - learning_rate * mh / (jnp.sqrt(vh) + eps), m, v, jnp.linalg.norm(g)
+
+        z = jnp.zeros_like(x0)
+        k, theta, _, _, gnorm = jax.jit(lambda x: lax.while_loop(cond, body, (0, x, z, z, g0)))(
+            x0
+        )
+        rounds = int(k)
+        converged = bool(gnorm <= tol)
+        up_per_round = b * 32 * d
+    else:
+        raise ValueError(f"Unknown theta* search `method`={method!r}; use 'bfgs' or 'adam'.")
+    grad_norm = float(jnp.linalg.norm(jax.jit(grad_u)(theta)))
+    info = ThetaStarSearch(
+        method=method,
+        rounds=rounds,
+        bits_up=rounds * up_per_round,
+        bits_down=rounds * b * 32 * d,
+        grad_norm=grad_norm,
+        converged=converged,
+    )
+    return theta, info
+
+
+class QLSD(FederatedKernel):
+    """Quantised Langevin stochastic dynamics: QLSD#, QLSD* and QLSD++ ([VPD+22]_ Alg. 1-2).
+
+    See the module docstring for the recursion. The kernel runs inside
+    :class:`numpyro.infer.MCMC` (``num_chains``, ``chain_method="vectorized"``,
+    ``print_summary``, ``az.from_numpyro``); per-step ``bits_up`` / ``bits_down`` are sample
+    fields, cumulative totals (including warmup and the one-off rounds of QLSD*) are in the
+    state (:meth:`communication`).
+
+    :param model: an ordinary NumPyro model.
+    :param partition: the client partition of its data.
+    :param variant: ``"#"`` / ``"sharp"``, ``"*"`` / ``"star"`` or ``"++"`` / ``"plusplus"``.
+    :param step_size: :math:`\\gamma`.
+    :param batch_size: per-client minibatch ``n`` (uniform with replacement); ``None`` uses
+        full local gradients.
+    :param compressor: an *unbiased* :class:`~numpyro_fed.compressors.Compressor` or a spec
+        (``"bits:4"`` = ``"quantize:16"``); ``None`` is the identity (LSD).
+    :param bits: shortcut for ``compressor=quantize(bits=bits)`` (:math:`s = 2^{bits}`).
+    :param levels: shortcut for ``compressor=quantize(levels=levels)``.
+    :param memory_rate: :math:`\\alpha`. ``None``: the paper's default, :math:`1/(\\omega+1)`
+        for QLSD++ and 0 (no memory) for QLSD# and QLSD*; ``0`` switches memory off; values
+        above :math:`1/(\\omega+1)` (the theory's bound) warn, values outside [0, 1] raise.
+    :param refresh_every: ``l``, QLSD++'s control-point period.
+    :param theta_star: QLSD* only: the centring point, as a dict of *constrained* site values
+        (or an array for a single-site model); ``None`` searches for the minimiser of
+        :math:`U` by federated optimisation (:func:`find_theta_star`), whose communication is
+        stored in :attr:`theta_star_search` and included in the state's cumulative counters.
+    :param theta_star_kwargs: options of :func:`find_theta_star` (``method``, ``maxiter``,
+        ``gtol``, ``learning_rate``).
+    :param oracle: QLSD# only: a custom stochastic gradient oracle
+        ``oracle(key, theta, data) -> (b, d)`` array of :math:`H_i(\\theta)` (Alg. 1 with any
+        oracle satisfying H3); overrides ``batch_size``.
+    :param kwargs: :class:`~numpyro_fed.kernels.langevin.FederatedKernel` options (``prior``,
+        ``likelihood_weight``, ``init_strategy``, ``check_finite``,
+        ``postprocess_deterministic``).
+
+    **Example**
+
+    .. code-block:: python
+
+        kernel = QLSD(model, clients, variant="++", step_size=1e-4, batch_size=32, bits=4)
+        mcmc = MCMC(kernel, num_warmup=1000, num_samples=5000, num_chains=4,
+                    chain_method="vectorized")
+        mcmc.run(random.key(0))
+        idata = az.from_numpyro(mcmc)   # bits_up / bits_down in idata.sample_stats
+    """
+
+    name = "QLSD"
+
+    def __init__(
+        self,
+        model: Callable,
+        partition: ClientPartition,
+        *,
+        variant: str = "#",
+        step_size: float,
+        batch_size: int | None = None,
+        compressor: Compressor | str | None = None,
+        bits: int | None = None,
+        levels: int | None = None,
+        memory_rate: float | None = None,
+        refresh_every: int = 100,
+        theta_star: Mapping[str, Any] | Any | None = None,
+        theta_star_kwargs: Mapping[str, Any] | None = None,
+        oracle: Callable | None = None,
+        init_strategy: Callable = init_to_uniform,
+        **kwargs: Any,
+    ) -> None:
+        self.variant = _canonical_variant(variant)
+        given = [n for n, v in (("compressor", compressor), ("bits", bits), ("levels", levels))
+                 if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"Give at most one of `compressor`, `bits`, `levels` (got {given}).")
+        if bits is not None:
+            compressor = quantize(bits=bits)
+        elif levels is not None:
+            compressor = quantize(levels=levels)
+        super().__init__(
+            model, partition, step_size=step_size, batch_size=batch_size,
+            compressor=compressor, init_strategy=init_strategy, **kwargs,
+        )
+        comp = self.compressor
+        if not comp.unbiased or comp.omega is None:
+            raise ValueError(
+                f"QLSD needs an unbiased compressor (H2), got {comp.name}; use quantize(...), "
+                "rand_k(...) or identity(). Biased/contractive compressors belong to ELF."
+            )
+        d = self.potential.dim
+        self.omega = float(comp.omega(d))
+        bound = 1.0 / (self.omega + 1.0)
+        if memory_rate is None:
+            memory_rate = bound if self.variant == "++" else 0.0
+        try:
+            alpha = float(memory_rate)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"`memory_rate` must be a number, got {memory_rate!r}.") from err
+        if not (0.0 <= alpha <= 1.0):
+            raise ValueError(
+                f"`memory_rate` must lie in [0, 1/(omega+1)] = [0, {bound:.4g}] for "
+                f"{comp.name} in dimension {d}; got {memory_rate!r} (0 switches memory off)."
+            )
+        if alpha > bound * (1 + 1e-9):
+            warnings.warn(
+                f"`memory_rate`={alpha:.4g} exceeds the theoretical bound 1/(omega+1) = "
+                f"{bound:.4g} of {comp.name} in dimension {d} (QLSD Thm. 3); the memory terms "
+                "may amplify the compression noise.",
+                stacklevel=2,
+            )
+        self.memory_rate = alpha
+        if isinstance(refresh_every, bool) or not isinstance(refresh_every, int | np.integer):
+            raise TypeError(f"`refresh_every` must be a positive int, got {refresh_every!r}.")
+        if refresh_every < 1:
+            raise ValueError(f"`refresh_every` must be >= 1, got {refresh_every}.")
+        self.refresh_every = int(refresh_every)
+        if oracle is not None and self.variant != "#":
+            raise ValueError("A custom `oracle` is only used by variant='#' (QLSD, Alg. 1).")
+        self._custom_oracle = oracle
+        if theta_star is not None and self.variant != "*":
+            raise ValueError("`theta_star` is only used by variant='*' (QLSD*).")
+        self._theta_star_user = theta_star
+        self.theta_star_kwargs = dict(theta_star_kwargs or {})
+        self.theta_star: jax.Array | None = None
+        self.theta_star_search: ThetaStarSearch | None = None
+        self.g_star: jax.Array | None = None
+        self._grads_star: jax.Array | None = None
+        self._star_bits: tuple[int, int] = (0, 0)
+
+    # -- QLSD*: centring point ---------------------------------------------------------
+    def _prepare_theta_star(self, rng_key) -> None:
+        """Find or convert :math:`\\theta^\\star`, then compute :math:`g^\\star` (once)."""
+        pot, data = self.potential, self.partition
+        b, d = data.num_clients, pot.dim
+        if self._theta_star_user is not None:
+            value = self._theta_star_user
+            if not isinstance(value, Mapping):
+                if len(pot.latent_names) != 1:
+                    raise ValueError(
+                        "`theta_star` must be a dict of constrained site values "
+                        f"{list(pot.latent_names)}; an array is accepted only for one site."
+                    )
+                value = {pot.latent_names[0]: value}
+            theta = pot.unconstrain(value).astype(pot.dtype)
+            search = ThetaStarSearch("user", 0, 0, 0, float("nan"), True)
+        else:
+            vectorized, key = split_chain_keys(rng_key)
+            key = key[0] if vectorized else key
+            x0 = pot.init_params(random.fold_in(key, 11), self._init_strategy)
+            theta, search = find_theta_star(pot, data, x0, **self.theta_star_kwargs)
+        grads = jax.jit(pot.full_grads)(theta, data)
+        g_star = jnp.sum(grads, 0)
+        full = g_star + pot.server_grad(theta)
+        gnorm = float(jnp.linalg.norm(full))
+        search = search._replace(grad_norm=gnorm)
+        scale = float(jnp.sqrt(jnp.sum(grads**2)))
+        if gnorm > 1e-2 * max(1.0, scale):
+            warnings.warn(
+                f"QLSD*: ||grad U(theta*)|| = {gnorm:.3g} is large (clients' gradients at "
+                f"theta* have norm {scale:.3g}): theta* is not a minimiser of the unconstrained "
+                "potential. The chain stays unbiased because g* = sum_i grad U_i(theta*) is "
+                "added on the server, but the control variates are less effective; give a "
+                "better `theta_star` or tighten `theta_star_kwargs`.",
+                stacklevel=3,
+            )
+        self.theta_star, self.g_star, self._grads_star = theta, g_star, grads
+        self.theta_star_search = search
+        # search rounds + broadcast of theta* + one uncompressed round for g*
+        self._star_bits = (search.bits_up + b * 32 * d, search.bits_down + b * 32 * d)
+
+    def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
+        if self.variant == "*" and self.theta_star is None:
+            self._prepare_theta_star(rng_key)
+        return super().init(rng_key, num_warmup, init_params, model_args, model_kwargs)
+
+    # -- algorithm ---------------------------------------------------------------------
+    @property
+    def _uses_zeta(self) -> bool:
+        return self.variant == "++" and self.batch_size is not None
+
+    def init_extra(self, key, x, data):
+        b, d = data.num_clients, x.shape[0]
+        empty = jnp.zeros((0,), x.dtype)
+        mem = self.memory_rate > 0
+        extra = QLSDExtra(
+            eta_clients=jnp.zeros((b, d), x.dtype) if mem else empty,
+            eta=jnp.zeros((d,), x.dtype) if mem else empty,
+            zeta=x if self._uses_zeta else empty,
+            grad_zeta=jnp.zeros((b, d), x.dtype) if self._uses_zeta else empty,
+            refreshes=jnp.zeros((), jnp.int32),
+        )
+        up, down = self._star_bits
+        return extra, up, down + self.broadcast_bits(data)
+
+    def client_messages(self, key, i, x, extra, data):
+        """Client oracles :math:`H_i(\\theta_k)` (shape ``(b, d)``), the server offset
+        :math:`c` and the updated control-variate state."""
+        pot, n = self.potential, self.batch_size
+        if self.variant == "#":
+            if self._custom_oracle is not None:
+                return self._custom_oracle(key, x, data), 0.0, extra
+            return self.oracle(key, x, data), 0.0, extra
+        if self.variant == "*":
+            if n is None:
+                h = pot.full_grads(x, data) - self._grads_star
+            else:
+                h = pot.batch_grad_diffs(key, x, self.theta_star, data, n)
+            return h, self.g_star, extra
+        # QLSD++
+        if n is None:  # all rows: sum_j [grad U_ij(x) - grad U_ij(zeta)] + grad U_i(zeta)
+            return pot.full_grads(x, data), 0.0, extra
+
+        def refresh(_):
+            return x, pot.full_grads(x, data), extra.refreshes + 1
+
+        def keep(_):
+            return extra.zeta, extra.grad_zeta, extra.refreshes
+
+        zeta, grad_zeta, count = lax.cond(i % self.refresh_every == 0, refresh, keep, None)
+        h = pot.batch_grad_diffs(key, x, zeta, data, n) + grad_zeta
+        return h, 0.0, extra._replace(zeta=zeta, grad_zeta=grad_zeta, refreshes=count)
+
+    def step(self, key, noise_key, i, x, extra, data):
+        k_batch, k_comp = random.split(key)
+        h, offset, extra = self.client_messages(k_batch, i, x, extra, data)
+        alpha = self.memory_rate
+        if alpha > 0:
+            msg, up = self.compress_all(k_comp, h - extra.eta_clients)
+            total = jnp.sum(msg, 0)
+            g = extra.eta + total
+            extra = extra._replace(
+                eta_clients=extra.eta_clients + alpha * msg, eta=extra.eta + alpha * total
+            )
+        else:
+            msg, up = self.compress_all(k_comp, h)
+            g = jnp.sum(msg, 0)
+        g = g + offset + self.potential.server_grad(x)
+        x_new = langevin_move(noise_key, x, g, self._step_size)
+        return x_new, extra, up, jnp.int32(self.broadcast_bits(data))
+
+    def get_diagnostics_str(self, state):
+        base = super().get_diagnostics_str(state)
+        return f"QLSD{self.variant} ({self.compressor.name}). {base}"
+
+
+def _fixed_variant_init(variant: str):
+    def __init__(self, model, partition, **kwargs):
+        if "variant" in kwargs:
+            raise ValueError(f"{type(self).__name__} fixes variant={variant!r}.")
+        QLSD.__init__(self, model, partition, variant=variant, **kwargs)
+
+    return __init__
+
+
+class QLSDSharp(QLSD):
+    """QLSD# ([VPD+22]_ Alg. 1 with the minibatch oracle): ``QLSD(..., variant="#")``."""
+
+    __init__ = _fixed_variant_init("#")
+
+
+class QLSDStar(QLSD):
+    """QLSD* ([VPD+22]_ Alg. 2, fixed control variate at :math:`\\theta^\\star`):
+    ``QLSD(..., variant="*")``."""
+
+    __init__ = _fixed_variant_init("*")
+
+
+class QLSDPlusPlus(QLSD):
+    """QLSD++ ([VPD+22]_ Alg. 2, SVRG control point every ``l`` steps and memory):
+    ``QLSD(..., variant="++")``."""
+
+    __init__ = _fixed_variant_init("++")
+
+
+def LSD(model: Callable, partition: ClientPartition, *, variant: str = "#", **kwargs) -> QLSD:
+    """The uncompressed baselines LSD# / LSD* / LSD++: :class:`QLSD` with the identity
+    compressor (32-bit floats on the uplink)."""
+    for name in ("compressor", "bits", "levels"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"LSD uses the identity compressor; do not pass `{name}`.")
+    return QLSD(model, partition, variant=variant, compressor=identity(), **kwargs)
