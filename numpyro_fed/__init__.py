@@ -6,6 +6,7 @@ An ordinary NumPyro model + a :class:`ClientPartition` of its data -> a NumPyro
 
 from numpyro_fed import compressors
 from numpyro_fed.bits import BitCounter, counter_value
+from numpyro_fed.infdata import communication_summary, to_inference_data
 from numpyro_fed.kernels import (
     MALA,
     ULA,
@@ -29,6 +30,8 @@ __all__ = [
     "FederatedPotential",
     "MALA",
     "ULA",
+    "communication_summary",
     "compressors",
     "counter_value",
+    "to_inference_data",
 ]

@@ -285,7 +285,8 @@ class FederatedPotential:
         grad_fn = jax.grad(self._client_batch_potential)
 
         def one(r, size, tau):
-            return grad_fn(theta, r, size, tau, batch_size) - grad_fn(zeta, r, size, tau, batch_size)
+            g_theta = grad_fn(theta, r, size, tau, batch_size)
+            return g_theta - grad_fn(zeta, r, size, tau, batch_size)
 
         g = jax.vmap(one)(rows, data.sizes, self._tau)
         return g + self._w[:, None] * (self.prior_grad(theta) - self.prior_grad(zeta))
@@ -302,7 +303,9 @@ class FederatedPotential:
         data (this replays the model on all rows)."""
         params = self.unravel(theta)
         if deterministic and self.deterministic_names:
-            return constrain_fn(self.model, (), self._pooled_kwargs, params, return_deterministic=True)
+            return constrain_fn(
+                self.model, (), self._pooled_kwargs, params, return_deterministic=True
+            )
         return transform_fn(self._inv_transforms, params)
 
     def postprocess_fn(self, deterministic: bool = True) -> Callable[[Array], dict]:

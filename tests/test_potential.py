@@ -48,7 +48,8 @@ def test_sum_of_client_potentials_is_numpyro_potential(x64, prior):
     @jax.jit
     def ours_and_numpyro(theta, part):
         z = pot.unravel(theta)
-        ref, ref_grad = jax.value_and_grad(lambda zz: potential_energy(rich_model, (), pooled, zz))(z)
+        pe = lambda zz: potential_energy(rich_model, (), pooled, zz)  # noqa: E731
+        ref, ref_grad = jax.value_and_grad(pe)(z)
         U = pot.potential(theta, part)
         grad = pot.full_grads(theta, part).sum(0) + pot.server_grad(theta)
         return U, grad, ref, pot.ravel(ref_grad), jax.grad(pot.potential)(theta, part)

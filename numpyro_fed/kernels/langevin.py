@@ -523,8 +523,9 @@ class FederatedKernel(MCMCKernel):
         self._num_warmup = int(num_warmup)
 
         def init_one(x, key):
-            key, k_extra = random.split(key)
-            extra, up, down = self.init_extra(k_extra, x, data)
+            # the chain key itself is left untouched (as in ULA), so that with equal
+            # gradients federated and centralised chains are identical
+            extra, up, down = self.init_extra(random.fold_in(key, 2), x, data)
             zero = jnp.zeros((), jnp.int32)
             return FedState(
                 jnp.zeros((), jnp.int32), pot.unravel(x), zero, zero,

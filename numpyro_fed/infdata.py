@@ -1,0 +1,136 @@
+"""ArviZ helpers: what ``az.from_numpyro`` cannot know about a federated run.
+
+``az.from_numpyro(mcmc)`` already works on a federated kernel: the kernel's ``model``
+attribute binds the pooled data, so ArviZ replays the model on all rows (posterior,
+observed data, pooled log-likelihood) and the per-step bits land in ``sample_stats``.
+:func:`to_inference_data` adds
+
+* a ``client`` coordinate on the observation axis of the log-likelihood (for LOO/WAIC per
+  client), or a leave-one-client-out log-likelihood (``log_likelihood="client"``);
+* the client sizes as ``constant_data``;
+* the cumulative communication (including warmup, thinned-out steps and one-off rounds) as
+  ``sample_stats`` attributes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from numpyro_fed.bits import counter_value
+from numpyro_fed.kernels.langevin import FederatedKernel
+
+__all__ = ["to_inference_data", "communication_summary"]
+
+
+def communication_summary(mcmc) -> dict[str, Any]:
+    """Cumulative bits of a finished federated run, per chain and in total.
+
+    :return: dict with ``up``, ``down`` (arrays over chains, exact integers), ``total``,
+        ``per_step_up`` / ``per_step_down`` (mean bits per iteration over kept draws).
+    """
+    kernel = mcmc.sampler
+    if not isinstance(kernel, FederatedKernel):
+        raise TypeError("communication_summary needs an MCMC run with a federated kernel.")
+    state = mcmc.last_state
+    up = np.atleast_1d(counter_value(state.total_up))
+    down = np.atleast_1d(counter_value(state.total_down))
+    extra = mcmc.get_extra_fields()
+    out = {"up": up, "down": down, "total": up + down}
+    for name in ("bits_up", "bits_down"):
+        if name in extra:
+            out["per_step_" + name[5:]] = float(np.mean(np.asarray(extra[name], np.float64)))
+    return out
+
+
+def _pointwise(kernel: FederatedKernel, samples: dict, batch: int = 256) -> np.ndarray:
+    """Per-row log-likelihood ``(chain, draw, b, N_max)`` of constrained ``samples``."""
+    pot = kernel.potential
+    data = kernel.partition
+    latent = {k: samples[k] for k in pot.latent_names}
+    chains, draws = np.shape(latent[pot.latent_names[0]])[:2]
+    flat = jax.tree.map(lambda v: jnp.reshape(v, (chains * draws,) + jnp.shape(v)[2:]), latent)
+
+    @jax.jit
+    def one(z):
+        return pot.pointwise_loglik(pot.unconstrain(z), data)
+
+    ll = jax.lax.map(one, flat, batch_size=min(batch, chains * draws))
+    return np.asarray(ll).reshape((chains, draws) + ll.shape[1:])
+
+
+def to_inference_data(mcmc, *, log_likelihood: str | bool = "row", **kwargs):
+    """``az.from_numpyro`` plus client information for a federated run.
+
+    :param mcmc: a finished :class:`numpyro.infer.MCMC` run with a federated kernel.
+    :param log_likelihood: ``"row"`` (pointwise log-likelihood of every pooled row with a
+        ``client`` coordinate, for PSIS-LOO / WAIC), ``"client"`` (summed per client: a
+        leave-one-client-out log-likelihood), or ``False``.
+    :param kwargs: passed to :func:`arviz.from_numpyro` (``coords``, ``dims``, ...).
+    :return: :class:`arviz.InferenceData`.
+    """
+    import arviz as az
+    import xarray as xr
+
+    kernel = mcmc.sampler
+    if not isinstance(kernel, FederatedKernel):
+        raise TypeError(
+            "to_inference_data needs an MCMC run with a numpyro_fed federated kernel; use "
+            "az.from_numpyro for other kernels."
+        )
+    if log_likelihood not in ("row", "client", False):
+        raise ValueError("`log_likelihood` must be 'row', 'client' or False.")
+    idata = az.from_numpyro(mcmc, log_likelihood=False, **kwargs)
+    part = kernel.partition
+    names = np.asarray([str(n) for n in part.client_names])
+    if log_likelihood:
+        samples = mcmc.get_samples(group_by_chain=True)
+        ll = _pointwise(kernel, samples)
+        obs = kernel.potential.observed_names
+        var = obs[0] if len(obs) == 1 else "log_lik"
+        mask = np.asarray(part.mask)
+        if log_likelihood == "row":
+            rows = ll[:, :, mask]  # pooled row order: client 0's rows, then client 1's, ...
+            client_of_row = np.asarray(part.client_index())
+            da = xr.DataArray(
+                rows,
+                dims=("chain", "draw", f"{var}_dim_0"),
+                coords={
+                    "chain": idata.posterior.chain.values,
+                    "draw": idata.posterior.draw.values,
+                    "client": (f"{var}_dim_0", names[client_of_row]),
+                },
+            )
+        else:
+            da = xr.DataArray(
+                np.where(mask, ll, 0.0).sum(-1),
+                dims=("chain", "draw", "client"),
+                coords={
+                    "chain": idata.posterior.chain.values,
+                    "draw": idata.posterior.draw.values,
+                    "client": names,
+                },
+            )
+        idata.add_groups({"log_likelihood": xr.Dataset({var: da})})
+    sizes = xr.Dataset(
+        {"client_size": xr.DataArray(np.asarray(part.sizes_np), dims=("client",),
+                                     coords={"client": names})}
+    )
+    if "constant_data" in idata.groups():
+        idata.constant_data = idata.constant_data.merge(sizes)
+    else:
+        idata.add_groups({"constant_data": sizes})
+    comm = communication_summary(mcmc)
+    idata.sample_stats.attrs.update(
+        {
+            "bits_up_total": comm["up"].tolist(),
+            "bits_down_total": comm["down"].tolist(),
+            "kernel": type(kernel).__name__,
+            "compressor": kernel.compressor.name,
+            "num_clients": int(part.num_clients),
+        }
+    )
+    return idata
