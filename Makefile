@@ -1,11 +1,11 @@
-PY ?= python3.11
+PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
 .PHONY: demo test lint bench clean
 
 $(BIN)/python:
-	@command -v $(PY) >/dev/null 2>&1 || { echo "python3.11 not found; set PY=/path/to/python3.11"; exit 1; }
+	@$(PY) -c "import sys; assert sys.version_info >= (3, 11), \"Python >= 3.11 needed; set PY=/path/to/python3.11\""
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
@@ -18,7 +18,7 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	touch $@
 
 demo: $(VENV)/.installed-examples
-	$(BIN)/python examples/demo_breast_cancer.py
+	$(BIN)/python examples/demo.py
 
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check numpyro_fed models examples benchmarks tests

@@ -3,6 +3,7 @@
 from models.datasets import (
     load_breast_cancer,
     load_caravan,
+    load_default,
     load_digits,
     standardize,
     synthetic_fedprox,
@@ -13,6 +14,7 @@ from models.logistic import logistic_regression, multinomial_logistic_regression
 __all__ = [
     "load_breast_cancer",
     "load_caravan",
+    "load_default",
     "load_digits",
     "logistic_regression",
     "multinomial_logistic_regression",

