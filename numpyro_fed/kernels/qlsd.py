@@ -101,7 +101,7 @@ class QLSDExtra(NamedTuple):
 class ThetaStarSearch(NamedTuple):
     """Communication and outcome of QLSD*'s federated search for :math:`\\theta^\\star`.
 
-    - **method** -- ``"bfgs"``, ``"adam"`` or ``"user"`` (given by the user: no search).
+    - **method** -- ``"bb"``, ``"adam"``, ``"bfgs"`` or ``"user"`` (given by the user: no search).
     - **rounds** -- communication rounds of the search (one per gradient evaluation).
     - **bits_up** / **bits_down** -- bits of the search, uplink (summed over clients) and
       downlink (broadcasts to all clients).
@@ -132,8 +132,8 @@ def find_theta_star(
     data: ClientPartition,
     x0: jax.Array,
     *,
-    method: str = "bfgs",
-    maxiter: int = 1000,
+    method: str = "bb",
+    maxiter: int = 2000,
     gtol: float = 1e-5,
     learning_rate: float = 1e-2,
 ) -> tuple[jax.Array, ThetaStarSearch]:
@@ -146,11 +146,14 @@ def find_theta_star(
     :param potential: a :class:`~numpyro_fed.potential.FederatedPotential`.
     :param data: the client partition.
     :param x0: flat unconstrained starting point.
-    :param method: ``"bfgs"`` (``jax.scipy.optimize.minimize``) or ``"adam"`` (full-gradient
-        Adam in a ``lax.while_loop``, stops when :math:`\\|\\nabla U\\| \\le` ``gtol``
-        :math:`\\cdot\\max(1, \\|\\nabla U(x_0)\\|)`).
-    :param maxiter: maximal number of iterations.
-    :param gtol: gradient tolerance.
+    :param method: ``"bb"`` (default: full-gradient descent with Barzilai--Borwein step sizes,
+        gradients only, robust in float32), ``"adam"`` (full-gradient Adam) -- both in a
+        ``lax.while_loop`` that stops when :math:`\\|\\nabla U\\| \\le` ``gtol``
+        :math:`\\cdot\\max(1, \\|\\nabla U(x_0)\\|)` -- or ``"bfgs"``
+        (``jax.scipy.optimize.minimize``; its line search needs accurate potential values,
+        prefer float64).
+    :param maxiter: maximal number of iterations (rounds).
+    :param gtol: relative gradient tolerance.
     :param learning_rate: Adam's step size.
     :return: ``(theta_star, ThetaStarSearch)``.
     """
@@ -163,48 +166,66 @@ def find_theta_star(
         from jax.scipy.optimize import minimize
 
         fun = lambda x: potential.potential(x, data)  # noqa: E731
+        g0 = jnp.linalg.norm(jax.jit(grad_u)(x0))
         res = jax.jit(
-            lambda x: minimize(fun, x, method="BFGS", options={"maxiter": maxiter, "gtol": gtol})
+            lambda x: minimize(fun, x, method="BFGS",
+                               options={"maxiter": maxiter, "gtol": gtol * max(1.0, float(g0))})
         )(x0)
-        theta = res.x
-        rounds = int(res.nfev)
-        converged = bool(res.success)
+        theta, rounds = res.x, int(res.nfev)
         up_per_round = b * (32 * d + 32)  # gradient + value for the line search
-    elif method == "adam":
+    elif method in ("bb", "adam"):
         b1, b2, eps = 0.9, 0.999, 1e-8
-        g0 = jnp.linalg.norm(grad_u(x0))
-        tol = gtol * jnp.maximum(1.0, g0)
 
         def cond(c):
-            k, _, _, _, gnorm = c
-            return (k < maxiter) & (gnorm > tol)
+            k, gnorm, tol = c[0], c[-2], c[-1]
+            return (k < maxiter) & (gnorm > tol) & jnp.isfinite(gnorm)
 
-        def body(c):
-            k, x, m, v, _ = c
-            g = grad_u(x)
+        def body_adam(c):
+            k, x, m, v, g, gnorm, tol = c
             m = b1 * m + (1 - b1) * g
             v = b2 * v + (1 - b2) * g**2
             t = (k + 1).astype(x.dtype)
-            mh, vh = m / (1 - b1**t), v / (1 - b2**t)
-            return k + 1, x - learning_rate * mh / (jnp.sqrt(vh) + eps), m, v, jnp.linalg.norm(g)
+            x = x - learning_rate * (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps)
+            g = grad_u(x)
+            return k + 1, x, m, v, g, jnp.linalg.norm(g), tol
 
-        z = jnp.zeros_like(x0)
-        k, theta, _, _, gnorm = jax.jit(lambda x: lax.while_loop(cond, body, (0, x, z, z, g0)))(
-            x0
-        )
-        rounds = int(k)
-        converged = bool(gnorm <= tol)
+        def body_bb(c):
+            k, x, x_prev, g_prev, g, gnorm, tol = c
+            s, y = x - x_prev, g - g_prev
+            sy = jnp.vdot(s, y)
+            first = 1e-3 * jnp.maximum(1.0, jnp.linalg.norm(x)) / jnp.maximum(gnorm, 1e-30)
+            lr = jnp.where((k > 0) & (sy > 0), jnp.vdot(s, s) / jnp.where(sy > 0, sy, 1.0), first)
+            x_new = x - lr * g
+            g_new = grad_u(x_new)
+            return k + 1, x_new, x, g, g_new, jnp.linalg.norm(g_new), tol
+
+        def search(x):
+            g = grad_u(x)
+            gnorm = jnp.linalg.norm(g)
+            tol = gtol * jnp.maximum(1.0, gnorm)
+            z = jnp.zeros_like(x)
+            if method == "adam":
+                out = lax.while_loop(cond, body_adam, (0, x, z, z, g, gnorm, tol))
+            else:
+                out = lax.while_loop(cond, body_bb, (0, x, x, g, g, gnorm, tol))
+            return out[0], out[1]
+
+        k, theta = jax.jit(search)(x0)
+        rounds = int(k) + 1  # + the gradient at x0
         up_per_round = b * 32 * d
     else:
-        raise ValueError(f"Unknown theta* search `method`={method!r}; use 'bfgs' or 'adam'.")
-    grad_norm = float(jnp.linalg.norm(jax.jit(grad_u)(theta)))
+        raise ValueError(
+            f"Unknown theta* search `method`={method!r}; use 'bb', 'adam' or 'bfgs'."
+        )
+    g_final = float(jnp.linalg.norm(jax.jit(grad_u)(theta)))
+    g_start = float(jnp.linalg.norm(jax.jit(grad_u)(x0)))
     info = ThetaStarSearch(
         method=method,
         rounds=rounds,
         bits_up=rounds * up_per_round,
         bits_down=rounds * b * 32 * d,
-        grad_norm=grad_norm,
-        converged=converged,
+        grad_norm=g_final,
+        converged=bool(np.isfinite(g_final) and g_final <= gtol * max(1.0, g_start) * 1.0001),
     )
     return theta, info
 
