@@ -141,6 +141,7 @@ def evaluate(w, cum_up, cum_down, X_te, y_te, num_points=10):
         "acc_pp": acc_pp, "lpd_pp": lpd_pp,
         "bits_up": int(cum_up[-1]), "bits_down": int(cum_down[-1]),
         "bits_total": int(cum_up[-1] + cum_down[-1]), "curve": curve,
+        "w_max": float(np.abs(w[:, -last:]).max()),
     }
 
 
@@ -191,7 +192,7 @@ def experiment(dataset, target, step, args, log):
                 raise
             row.update({"acc_avg": np.nan, "lpd_avg": np.nan, "acc_pp": np.nan,
                         "lpd_pp": np.nan, "bits_up": 0, "bits_down": 0, "bits_total": 0,
-                        "curve": [], "diverged": True})
+                        "curve": [], "w_max": np.inf})
         row["seconds"] = time.perf_counter() - t0
         log(f"  {dataset:13s} {target:9s} gamma={gamma:.3g} {name:5s} k={k!s:3s} "
             f"acc={row['acc_avg']:.3f} lpd={row['lpd_avg']:.4f} "
@@ -229,11 +230,11 @@ def add_comparisons(df):
 def markdown_table(df) -> str:
     cols = ["dataset", "target", "step_size", "method", "k", "acc_avg", "d_acc_pp", "lpd_avg",
             "d_lpd_pct", "acc_pp", "lpd_pp", "bits_up", "bits_down", "bits_total", "saving",
-            "quality_ok", "bits_ok"]
+            "quality_ok", "bits_ok", "w_max"]
     head = ["dataset", "target", "gamma", "method", "k", "acc (avg last 100)", "Δacc (pp)",
             "LPD (avg last 100)", "ΔLPD (%)", "acc (post. pred.)", "LPD (post. pred.)",
             "bits up", "bits down", "bits total", "saving (own dir.)", "≤1pp & ≤2%",
-            "≥5x (k≤d/10)"]
+            "≥5x (k≤d/10)", "stability"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for _, r in df[cols].iterrows():
         cells = []
@@ -244,9 +245,12 @@ def markdown_table(df) -> str:
             elif c in ("acc_avg", "acc_pp"):
                 cells.append(f"{v:.3f}")
             elif c in ("lpd_avg", "lpd_pp"):
-                cells.append(f"{v:.4f}")
+                cells.append(f"{v:.4f}" if abs(v) < 1e3 else f"{v:.2g}")
             elif c in ("d_acc_pp", "d_lpd_pct"):
-                cells.append("" if r.method == "LMC" else f"{v:+.2f}")
+                cells.append("" if r.method == "LMC" else
+                             (f"{v:+.2f}" if abs(v) < 1e3 else f"{v:+.2g}"))
+            elif c == "w_max":
+                cells.append("" if v < 1e3 else "unstable")
             elif c.startswith("bits_") and c not in ("bits_ok",):
                 cells.append(f"{v:.3e}")
             elif c == "saving":
@@ -317,7 +321,8 @@ def main(argv: list[str] | None = None):
     )
     md = (f"# ELF: federated logistic regression ({settings})\n\n"
           "Δ = difference to LMC at the same step size; saving = LMC bits / method bits in the "
-          "direction the method compresses (D: up, P: down, B: total).\n\n"
+          "direction the method compresses (D: up, P: down, B: total); 'unstable': the chain "
+          "left the bulk of the target (max |x| > 1e3 over the last 100 iterates).\n\n"
           + markdown_table(df))
     (out / "elf_logistic.md").write_text(md)
     if not args.smoke:
