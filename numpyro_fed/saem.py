@@ -65,7 +65,7 @@ from jax import lax, random
 from jax.flatten_util import ravel_pytree
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
-from numpyro.handlers import seed, substitute, trace
+from numpyro.handlers import block, seed, substitute, trace
 from numpyro.infer.initialization import init_to_median
 from numpyro.infer.mcmc import MCMCKernel
 from numpyro.infer.util import compute_log_probs
@@ -609,11 +609,14 @@ class _NewtonMStep:
     is transported along the iterates (:math:`g \\leftarrow g + H\\,\\Delta\\theta`), so that an
     undamped step gives Gu & Kong's (1998) SA Newton--Raphson
     :math:`\\theta^+ = \\theta + \\gamma (-H)^{-1}\\nabla\\log p(y, z\\mid\\theta)`.
+    Where :math:`-H` is not positive definite (far from the maximum) its eigenvalues are
+    replaced by their absolute values (saddle-free Newton, Dauphin et al. 2014), floored at
+    ``eig_floor`` times the largest; each coordinate of a step is clipped to ``max_step``.
     """
 
     kind = "newton"
 
-    def __init__(self, info, damping: float = 1.0, max_step: float = 1.0, eig_floor=1e-6):
+    def __init__(self, info, damping: float = 1.0, max_step: float = 1.0, eig_floor=1e-4):
         self.info = info
         self.damping = float(damping)
         self.max_step = float(max_step)
@@ -622,24 +625,25 @@ class _NewtonMStep:
     def init(self, theta_u, z, args, kwargs):
         d = self.info.dim_theta
         dt = jnp.result_type(theta_u)
-        return (jnp.zeros(d, dt), jnp.zeros((d, d), dt))
+        return (jnp.zeros(d, dt), jnp.zeros((d, d), dt), jnp.zeros((d, d), dt))
 
     def update(self, mstate, gamma, theta_u, z, args, kwargs, score_hess):
-        g, H = mstate
+        g, H, _ = mstate
         sc, he = score_hess
         g = g + gamma * (sc - g)
         H = H + gamma * (he - H)
-        Hs = -(H + H.T) / 2.0
-        lam, V = jnp.linalg.eigh(Hs)
-        floor = jnp.maximum(self.eig_floor * jnp.max(jnp.abs(lam)), 1e-12)
-        lam = jnp.maximum(lam, floor)
+        # saddle-free modification of -H: |eigenvalues|, floored relative to the largest
+        lam, V = jnp.linalg.eigh(-(H + H.T) / 2.0)
+        lam = jnp.abs(lam)
+        lam = jnp.maximum(lam, jnp.maximum(self.eig_floor * jnp.max(lam), 1e-12))
         step = self.damping * (V @ ((V.T @ g) / lam))
         step = jnp.clip(step, -self.max_step, self.max_step)
-        return theta_u + step, (g, H)
+        Hmod = -(V * lam) @ V.T
+        return theta_u + step, (g, H, Hmod)
 
     def transport(self, mstate, step):
-        g, H = mstate
-        return (g + H @ step, H)
+        g, H, Hmod = mstate
+        return (g + Hmod @ step, H, Hmod)
 
 
 # ============================================================================ E-step
@@ -686,7 +690,7 @@ class SAEM:
         in :math:`\\theta` per iteration); default: when :math:`\\dim\\theta \\le 50`.
     :param annealed: names of ``param`` sites subject to simulated annealing when
         ``schedule.annealing`` (default: the variance parameters recognised by the Gaussian
-        M-step).
+        M-step; every positive parameter for the other M-steps).
     :param subject_plate: name of the plate indexing independent subjects (importance-sampling
         likelihood is then computed per subject); auto-detected when ``None``.
     :param newton_damping: damping :math:`\\delta` of the Newton M-step.
@@ -793,6 +797,11 @@ class SAEM:
             elif getattr(mstep, "kind", "") == "gaussian":
                 ann[mstep.spec.scale_lat_idx] = True
                 ann[mstep.spec.scale_obs_idx] = True
+            else:  # every positive parameter (scales, variances, precisions)
+                offs = np.cumsum([0] + [int(np.size(info.theta0_c[n])) for n in info.param_names])
+                for i, n in enumerate(info.param_names):
+                    if isinstance(info.param_constraints[n], type(constraints.positive)):
+                        ann[offs[i]:offs[i + 1]] = True
         self._anneal_mask = ann
         # initial theta
         if init_params is not None:
@@ -871,9 +880,12 @@ class SAEM:
         model = self.model
 
         def wrapper(m):
+            # `block` hides the param sites from outer handlers: NumPyro's initialize_model
+            # would otherwise substitute their initial values over the current theta
             def conditioned(*a, _saem_theta=None, **kw):
-                with substitute(data=_saem_theta):
-                    return m(*a, **kw)
+                with block(hide_fn=lambda site: site["type"] == "param"):
+                    with substitute(data=_saem_theta):
+                        return m(*a, **kw)
 
             return conditioned
 
@@ -891,7 +903,6 @@ class SAEM:
                 raise TypeError("the `kernel` factory must return a NumPyro MCMCKernel.")
         self._numpyro_kernel = kernel
         field = kernel.sample_field
-        burn = self.schedule.num_burnin
 
         def kw(theta_u):
             return {**kwargs, "_saem_theta": info.constrain_theta(theta_u)}
@@ -900,7 +911,7 @@ class SAEM:
             states = []
             for c, k in enumerate(random.split(key, z.shape[0])):
                 zu = info._unravel_z(z[c])
-                states.append(kernel.init(k, burn, zu, args, kw(theta_u)))
+                states.append(kernel.init(k, 0, zu, args, kw(theta_u)))
             return jax.tree.map(lambda *v: jnp.stack(v), *states)
 
         def estep(key, z, kstate, theta_u, n):
