@@ -59,6 +59,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.smoke:
         args.datasets = "breast_cancer"
+        args.targets = "tempered"
         args.tempered_steps = "0.1"
         args.num_steps = args.num_steps_posterior = 120
         args.chains = 1
