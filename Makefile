@@ -21,11 +21,11 @@ demo: $(VENV)/.installed-examples
 	$(BIN)/python examples/demo.py
 
 test: $(VENV)/.installed-test
-	$(BIN)/ruff check numpyro_fed models examples benchmarks tests
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check numpyro_fed models examples benchmarks tests
+	$(BIN)/ruff check .
 
 bench: $(VENV)/.installed-examples
 	$(BIN)/python benchmarks/run_all.py
