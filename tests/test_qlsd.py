@@ -6,7 +6,10 @@ error (chains cut into batches much longer than the autocorrelation time, see
 expected size is an order of magnitude beyond its Monte Carlo spread (explained at each test).
 """
 
+import importlib
+import sys
 import warnings
+from pathlib import Path
 
 import arviz as az
 import jax
@@ -385,3 +388,21 @@ def test_constrained_theta_star_arviz_and_summary(capsys):
     idata = az.from_numpyro(mcmc)
     assert "bits_up" in idata.sample_stats and "bits_down" in idata.sample_stats
     assert idata.posterior["mu"].shape == (2, 300)
+
+
+# ----------------------------------------------------------------------------- examples
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize("name", ["qlsd_toy_gaussian", "qlsd_synthetic_logistic",
+                                  "qlsd_digits_multinomial", "qlsd_bnn_digits"])
+def test_example_smoke(name, tmp_path):
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        module = importlib.import_module(name)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    df = module.main(["--smoke", "--out", str(tmp_path)])
+    assert len(df) >= 2
+    for ext in ("csv", "md", "png"):
+        assert (tmp_path / f"{name}.{ext}").exists()
