@@ -8,7 +8,11 @@ from numpyro_fed import compressors
 from numpyro_fed.bits import BitCounter, counter_value
 from numpyro_fed.infdata import communication_summary, to_inference_data
 from numpyro_fed.kernels import (
+    BELF,
+    DELF,
+    ELF,
     MALA,
+    PELF,
     ULA,
     DivergenceError,
     FederatedKernel,
@@ -17,11 +21,20 @@ from numpyro_fed.kernels import (
 )
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential
+from numpyro_fed.saem import SAEM, SAEMResult, Schedule, SufficientStatistics
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BELF",
     "BitCounter",
+    "DELF",
+    "ELF",
+    "PELF",
+    "SAEM",
+    "SAEMResult",
+    "Schedule",
+    "SufficientStatistics",
     "ClientPartition",
     "DivergenceError",
     "FedState",

@@ -41,6 +41,7 @@ and is not offered.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from collections.abc import Callable, Mapping
@@ -194,6 +195,24 @@ class FederatedPotential:
         self._tau = jnp.asarray(tau)
         if check:
             self._check_finite_sum(z0)
+
+    def with_kwargs(self, kwargs: Mapping[str, Any] | None) -> FederatedPotential:
+        """A view of this potential whose model receives extra (non-row) keyword arguments,
+        e.g. hyperparameters that change between calls (the E-step of
+        :class:`~numpyro_fed.saem.SAEM`). Cheap: shares everything else, safe under ``jit``
+        (the values may be tracers)."""
+        if not kwargs:
+            return self
+        rows = set(self.partition.keys) & set(kwargs)
+        if rows:
+            raise ValueError(
+                f"Model arguments {sorted(rows)} are per-row data held by the partition; pass "
+                "only non-row arguments at run time."
+            )
+        view = copy.copy(self)
+        view.shared = {**self.shared, **kwargs}
+        view._pooled_kwargs = {**self._pooled_kwargs, **kwargs}
+        return view
 
     # ------------------------------------------------------------------ pure functions
     def ravel(self, params: Mapping[str, Array]) -> Array:

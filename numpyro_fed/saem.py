@@ -51,6 +51,7 @@ means.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -884,7 +885,7 @@ class SAEM:
             # would otherwise substitute their initial values over the current theta
             def conditioned(*a, _saem_theta=None, **kw):
                 with block(hide_fn=lambda site: site["type"] == "param"):
-                    with substitute(data=_saem_theta):
+                    with substitute(data=_saem_theta if _saem_theta is not None else {}):
                         return m(*a, **kw)
 
             return conditioned
@@ -901,11 +902,27 @@ class SAEM:
             kernel = self.kernel(wrapper(model))
             if not isinstance(kernel, MCMCKernel):
                 raise TypeError("the `kernel` factory must return a NumPyro MCMCKernel.")
+        if getattr(kernel, "check_finite", False):
+            # the E-step is vmapped over chains and checked for divergence below; a host
+            # callback per step inside a vmapped kernel would run at every step
+            kernel = copy.copy(kernel)
+            kernel.check_finite = False
         self._numpyro_kernel = kernel
         field = kernel.sample_field
 
+        # A federated kernel holds the per-row data in its ClientPartition: it receives only
+        # the non-row arguments and theta (the data given to `run` serve the server-side
+        # M-step and likelihood computations).
+        row_keys = set(getattr(getattr(kernel, "partition", None), "keys", ()))
+        kernel_kwargs = {k: v for k, v in kwargs.items() if k not in row_keys}
+        if row_keys and args:
+            raise ValueError(
+                "With a federated E-step kernel, pass the data to SAEM.run as keyword "
+                "arguments (the kernel takes the per-row data from its ClientPartition)."
+            )
+
         def kw(theta_u):
-            return {**kwargs, "_saem_theta": info.constrain_theta(theta_u)}
+            return {**kernel_kwargs, "_saem_theta": info.constrain_theta(theta_u)}
 
         def init_kstate(key, z, theta_u):
             states = []

@@ -1,6 +1,7 @@
 """NumPyro MCMC kernels: ULA, MALA and the federated Langevin family."""
 
 from numpyro_fed.kernels.base import DivergenceError
+from numpyro_fed.kernels.elf import BELF, DELF, ELF, PELF, ELFState
 from numpyro_fed.kernels.langevin import (
     MALA,
     ULA,
@@ -12,6 +13,11 @@ from numpyro_fed.kernels.langevin import (
 )
 
 __all__ = [
+    "BELF",
+    "DELF",
+    "ELF",
+    "ELFState",
+    "PELF",
     "DivergenceError",
     "FedState",
     "FederatedKernel",

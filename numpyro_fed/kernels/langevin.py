@@ -18,6 +18,7 @@ All three run inside :class:`numpyro.infer.MCMC`, including
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -122,7 +123,7 @@ class _ModelLangevinBase(MCMCKernel):
         self._potential_fn = potential_fn
         self._step_size = check_step_size(step_size)
         self._init_strategy = init_strategy
-        self._check_finite = check_finite
+        self.check_finite = check_finite
         self._postprocess_fn = None
         self._pe_fn = None
         self._unravel = None
@@ -243,7 +244,7 @@ class ULA(_ModelLangevinBase):
             return LangevinState(s.i + 1, self._unravel(x), u, g, rng_key)
 
         new = self._maybe_vmap(one, 0)(state)
-        if self._check_finite:
+        if self.check_finite:
             raise_if_nonfinite(
                 new.potential_energy,
                 new.i,
@@ -373,7 +374,7 @@ class MALA(_ModelLangevinBase):
             )
 
         new = self._maybe_vmap(one, 0)(state)
-        if self._check_finite:
+        if self.check_finite:
             raise_if_nonfinite(
                 new.potential_energy,
                 new.i,
@@ -470,7 +471,7 @@ class FederatedKernel(MCMCKernel):
         self.batch_size = batch_size
         self.compressor = get_compressor(compressor)
         self._init_strategy = init_strategy
-        self._check_finite = check_finite
+        self.check_finite = check_finite
         self._postprocess_det = postprocess_deterministic
         self._vectorized = False
         self._model = potential.pooled_model()
@@ -490,8 +491,9 @@ class FederatedKernel(MCMCKernel):
         return ("z", "bits_up", "bits_down")
 
     def postprocess_fn(self, model_args, model_kwargs):
-        constrain = self.potential.postprocess_fn(self._postprocess_det)
-        return lambda z: constrain(self.potential.ravel(z))
+        pot = self._bound(model_kwargs).potential
+        constrain = pot.postprocess_fn(self._postprocess_det)
+        return lambda z: constrain(pot.ravel(z))
 
     def _state_axes(self) -> FedState:
         return FedState(
@@ -499,16 +501,69 @@ class FederatedKernel(MCMCKernel):
             extra=0, rng_key=0, data=None,
         )
 
-    def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
-        if model_args or model_kwargs:
+    def _check_run_args(self, model_args, model_kwargs) -> None:
+        if model_args:
             raise ValueError(
                 f"{type(self).__name__} takes its data from the ClientPartition; call "
-                "`mcmc.run(rng_key)` without model arguments (put non-row arguments in "
-                "`ClientPartition(..., shared={...})`)."
+                "`mcmc.run(rng_key)` without positional model arguments (put non-row "
+                "arguments in `ClientPartition(..., shared={...})`)."
             )
+        rows = set(self.partition.keys) & set(model_kwargs or {})
+        if rows:
+            raise ValueError(
+                f"{type(self).__name__} takes its data from the ClientPartition; do not pass "
+                f"the per-row arguments {sorted(rows)} to `mcmc.run` (only non-row keyword "
+                "arguments, such as hyperparameters, may be given at run time)."
+            )
+
+    def _bound(self, model_kwargs) -> FederatedKernel:
+        """This kernel with run-time (non-row) model keyword arguments bound into its
+        potential; ``self`` when there are none."""
+        if not model_kwargs:
+            return self
+        view = copy.copy(self)
+        view.potential = self.potential.with_kwargs(model_kwargs)
+        return view
+
+    def wrap_model(self, wrapper: Callable) -> FederatedKernel:
+        """A copy of this kernel on ``wrapper(model)`` (same partition and options): used by
+        composite algorithms such as :class:`~numpyro_fed.saem.SAEM`, whose wrapped model
+        receives hyperparameters as a run-time keyword argument."""
+        new = copy.copy(self)
+        wrapped = wrapper(self.potential.model)
+        pot = self.potential
+        new.potential = FederatedPotential(
+            wrapped, self.partition, prior=pot.prior_weights if pot.prior_mode == "custom"
+            else pot.prior_mode, likelihood_weight=pot.likelihood_weight,
+        )
+        new._model = new.potential.pooled_model()
+        return new
+
+    def refresh(self, state, model_args, model_kwargs):
+        """Re-bind the chain to new run-time model arguments without moving it: recomputes
+        what the algorithm caches about the target (:meth:`refresh_extra`)."""
+        self._check_run_args(model_args, model_kwargs)
+        kern = self._bound(model_kwargs)
+        pot = kern.potential
+
+        def one(s):
+            return s._replace(extra=kern.refresh_extra(s.extra, pot.ravel(s.z), s.data))
+
+        if self._vectorized:
+            axes = self._state_axes()
+            return jax.vmap(one, in_axes=(axes,), out_axes=axes)(state)
+        return one(state)
+
+    def refresh_extra(self, extra, x, data):
+        """Update the algorithm state after the target changed (default: nothing cached)."""
+        return extra
+
+    def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
+        self._check_run_args(model_args, model_kwargs)
         self._vectorized, rng_key = split_chain_keys(rng_key)
         keys = chain_keys_list(rng_key) if self._vectorized else [rng_key]
-        pot = self.potential
+        kern = self._bound(model_kwargs)
+        pot = kern.potential
         x0s = []
         for c, k in enumerate(keys):
             if init_params is None:
@@ -525,7 +580,7 @@ class FederatedKernel(MCMCKernel):
         def init_one(x, key):
             # the chain key itself is left untouched (as in ULA), so that with equal
             # gradients federated and centralised chains are identical
-            extra, up, down = self.init_extra(random.fold_in(key, 2), x, data)
+            extra, up, down = kern.init_extra(random.fold_in(key, 2), x, data)
             zero = jnp.zeros((), jnp.int32)
             return FedState(
                 jnp.zeros((), jnp.int32), pot.unravel(x), zero, zero,
@@ -539,13 +594,14 @@ class FederatedKernel(MCMCKernel):
         return init_one(x0, rng_key)
 
     def sample(self, state, model_args, model_kwargs):
-        pot = self.potential
+        kern = self._bound(model_kwargs)
+        pot = kern.potential
         i, data = state.i, state.data
 
         def one(s):
             rng_key, k_noise, k_alg = random.split(s.rng_key, 3)
             x = pot.ravel(s.z)
-            x_new, extra, up, down = self.step(k_alg, k_noise, i, x, s.extra, data)
+            x_new, extra, up, down = kern.step(k_alg, k_noise, i, x, s.extra, data)
             return FedState(
                 s.i, pot.unravel(x_new), up, down,
                 counter_add(s.total_up, up), counter_add(s.total_down, down),
@@ -558,7 +614,7 @@ class FederatedKernel(MCMCKernel):
         else:
             new = one(state)
         new = new._replace(i=i + 1)
-        if self._check_finite:
+        if self.check_finite:
             raise_if_nonfinite(
                 ravel_pytree(new.z)[0],
                 new.i,
