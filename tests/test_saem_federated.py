@@ -54,3 +54,38 @@ def test_saem_with_federated_langevin_e_step():
     # Monte Carlo sd of tau is ~ tau / sqrt(2 * 2 * 12 * 75) ~ 1.5%; allow 6%.
     assert abs(tau - tau_hat) / tau_hat < 0.06, (tau, tau_hat)
     assert result.mstep in ("gaussian", "newton")
+
+
+def test_elf_refresh_rebuilds_error_feedback_for_a_new_target():
+    """After `refresh` with new hyperparameters, D-ELF's g_i equal the new local gradients at
+    w (g = sum g_i) and one dense uplink round is counted."""
+    import jax
+    import jax.numpy as jnp
+
+    from numpyro_fed import DELF, compressors, counter_value
+
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(60, 3)).astype(np.float32)
+    y = (X @ np.array([0.5, -0.5, 1.0]) + rng.normal(size=60)).astype(np.float32)
+    clients = ClientPartition.iid({"X": X, "y": y}, 3, key=random.PRNGKey(0))
+
+    def wrapper(m):
+        def conditioned(*a, _saem_theta=None, **kw):
+            with numpyro.handlers.substitute(data=_saem_theta or {}):
+                return m(*a, **kw)
+
+        return conditioned
+
+    kernel = DELF(eb_model, clients, step_size=1e-3, uplink=compressors.top_k(1)).wrap_model(
+        wrapper)
+    kw_old = {"_saem_theta": {"tau": jnp.asarray(1.0)}}
+    kw_new = {"_saem_theta": {"tau": jnp.asarray(0.1)}}
+    state = kernel.init(random.PRNGKey(0), 0, None, (), kw_old)
+    for _ in range(5):
+        state = kernel.sample(state, (), kw_old)
+    up_before = counter_value(state.total_up)
+    state = kernel.refresh(state, (), kw_new)
+    new_grads = jax.jit(kernel.potential.with_kwargs(kw_new).full_grads)(state.extra.w, clients)
+    np.testing.assert_allclose(state.extra.g_local, new_grads, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(state.extra.g, new_grads.sum(0), rtol=1e-5, atol=1e-4)
+    assert counter_value(state.total_up) - up_before == 3 * 32 * 3

@@ -279,6 +279,15 @@ class ELF(FederatedKernel):
         state = ELFState(g_local=g_local, g=jnp.sum(g_local, axis=0), w=w)
         return state, self._dense_bits(data), down
 
+    def refresh_extra(self, extra, x, data):
+        """The target changed (e.g. SAEM's new hyperparameters): the error-feedback
+        estimators :math:`g^i` refer to the old potential, so every client re-sends its dense
+        gradient at the model it holds, :math:`g^i = \nabla U_i(w)` (one counted uplink
+        round); :math:`w` itself is unchanged, so nothing is broadcast."""
+        g_local = self.potential.full_grads(extra.w, data)
+        new = ELFState(g_local=g_local, g=jnp.sum(g_local, axis=0), w=extra.w)
+        return new, self._dense_bits(data), 0
+
     def step(self, key, noise_key, i, x, extra, data):
         """One ELF iteration (Alg. 1, 2 or 3; order of Alg. 3)."""
         k_batch, k_down, k_up = random.split(key, 3)

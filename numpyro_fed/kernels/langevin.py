@@ -547,7 +547,12 @@ class FederatedKernel(MCMCKernel):
         pot = kern.potential
 
         def one(s):
-            return s._replace(extra=kern.refresh_extra(s.extra, pot.ravel(s.z), s.data))
+            extra, up, down = kern.refresh_extra(s.extra, pot.ravel(s.z), s.data)
+            return s._replace(
+                extra=extra,
+                total_up=counter_add(s.total_up, up),
+                total_down=counter_add(s.total_down, down),
+            )
 
         if self._vectorized:
             axes = self._state_axes()
@@ -555,8 +560,13 @@ class FederatedKernel(MCMCKernel):
         return one(state)
 
     def refresh_extra(self, extra, x, data):
-        """Update the algorithm state after the target changed (default: nothing cached)."""
-        return extra
+        """Update the algorithm state after the target changed (e.g. new hyperparameters in
+        an SAEM E-step). Default: nothing is cached.
+
+        :return: ``(extra, bits_up, bits_down)`` -- the bits of any communication round
+            this needs are added to the cumulative counters.
+        """
+        return extra, 0, 0
 
     def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
         self._check_run_args(model_args, model_kwargs)
