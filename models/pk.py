@@ -26,6 +26,9 @@ __all__ = [
     "theophylline_prediction",
     "theophylline_exact_fit",
     "theophylline_exact_loglik",
+    "theophylline_subjects",
+    "theophylline_random_split",
+    "theophylline_sufficient_statistics",
     "THEOPHYLLINE_INIT",
 ]
 
@@ -61,6 +64,51 @@ def load_theophylline(dtype=np.float32) -> dict:
     conc = np.stack([g["conc"].to_numpy() for g in groups]).astype(dtype)
     dose = np.array([g["Dose"].iloc[0] * g["Wt"].iloc[0] for g in groups], dtype=dtype)
     return {"dose": dose, "time": time, "conc": conc, "subject": subjects}
+
+
+def theophylline_subjects(data: dict, idx) -> dict:
+    """The subjects ``idx`` (indices into the 12 subjects) of a :func:`load_theophylline` dict."""
+    idx = np.asarray(idx)
+    return {k: np.asarray(v)[idx] for k, v in data.items()}
+
+
+def theophylline_random_split(data: dict, num_train: int = 9, seed: int = 0) -> tuple[dict, dict]:
+    """Random train/test split of the subjects (the MCMC-SAEM paper's 9:3 split, Sec. 5.2).
+
+    :return: ``(train, test)`` dicts of :func:`load_theophylline`'s layout; subjects keep
+        their original order inside each part.
+    """
+    n = len(data["dose"])
+    if not 0 < num_train < n:
+        raise ValueError(f"num_train={num_train} must lie in [1, {n - 1}].")
+    perm = np.random.default_rng(seed).permutation(n)
+    return (theophylline_subjects(data, np.sort(perm[:num_train])),
+            theophylline_subjects(data, np.sort(perm[num_train:])))
+
+
+def theophylline_sufficient_statistics():
+    r"""The exponential-family M-step of the additive-error model (MCMC-SAEM paper, Sec. 5.2;
+    H1--H2): :math:`S = (\sum_i\phi_i, \sum_i\phi_i^2, \sum_{ij}(y_{ij} - f_{ij})^2)` and
+    :math:`\hat\mu = S_1/n`, :math:`\hat\omega^2 = S_2/n - \hat\mu^2`,
+    :math:`\hat\sigma^2 = S_3/(nT)`. Returns a :class:`numpyro_fed.saem.SufficientStatistics`
+    for ``theophylline_model(dose, time, conc)`` (additive error)."""
+    import jax.numpy as jnp
+
+    from numpyro_fed.saem import SufficientStatistics
+
+    def stats(z, dose, time, conc):
+        phi = z["phi"]
+        f = theophylline_prediction(phi, dose, time)
+        return {"s1": phi.sum(0), "s2": (phi**2).sum(0), "r": jnp.sum((conc - f) ** 2)}
+
+    def maximizer(s, dose, time, conc):
+        n = dose.shape[0]
+        mu = s["s1"] / n
+        om = jnp.sqrt(jnp.maximum(s["s2"] / n - mu**2, 1e-12))
+        return dict(mu_ka=mu[0], mu_V=mu[1], mu_CL=mu[2], omega_ka=om[0], omega_V=om[1],
+                    omega_CL=om[2], sigma=jnp.sqrt(s["r"] / conc.size))
+
+    return SufficientStatistics(stats, maximizer)
 
 
 def theophylline_prediction(phi, dose, time):
