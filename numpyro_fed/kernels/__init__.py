@@ -11,6 +11,7 @@ from numpyro_fed.kernels.langevin import (
     LangevinState,
     MALAState,
 )
+from numpyro_fed.kernels.qlsd import LSD, QLSD, QLSDPlusPlus, QLSDSharp, QLSDStar
 
 __all__ = [
     "BELF",
@@ -18,10 +19,15 @@ __all__ = [
     "ELF",
     "ELFState",
     "PELF",
+    "QLSD",
+    "QLSDPlusPlus",
+    "QLSDSharp",
+    "QLSDStar",
     "DivergenceError",
     "FedState",
     "FederatedKernel",
     "FederatedLangevin",
+    "LSD",
     "LangevinState",
     "MALA",
     "MALAState",
