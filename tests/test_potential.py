@@ -174,3 +174,28 @@ def test_bad_prior_and_weights():
     with pytest.raises(ValueError, match="Z"):
         FederatedPotential(rich_model, ClientPartition.from_clients(
             [{"X": np.ones((3, 3)), "g": np.zeros(3, int), "y": np.ones(3), "Z": np.ones(3)}]))
+
+
+def test_minibatch_indices_are_uniform_multiply_shift():
+    """Indices are floor(u * N_i / 2^32) of 32-bit words u (exact integer arithmetic), so
+    every row of every client is drawn with probability 1/N_i (to a relative 2^-16)."""
+    sizes = (3, 7, 50)
+    clients = [{"y": np.arange(n, dtype=np.float32)} for n in sizes]
+    part = ClientPartition.from_clients(clients)
+
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0, 1))
+        with numpyro.plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+
+    pot = FederatedPotential(model, part)
+    key = random.PRNGKey(0)
+    rows = jax.jit(pot.sample_batch, static_argnums=2)(key, part, 20_000)["y"]
+    keys = random.split(key, part.num_clients)
+    for i, n in enumerate(sizes):
+        u = np.asarray(random.bits(keys[i], (20_000,), jnp.uint32), np.uint64)
+        np.testing.assert_array_equal(np.asarray(rows[i], np.int64), (u * n) >> 32)
+        counts = np.bincount(np.asarray(rows[i], np.int64), minlength=n)
+        # each count ~ Binomial(20000, 1/n): within 5 sds of its mean
+        sd = np.sqrt(20_000 / n * (1 - 1 / n))
+        assert np.all(np.abs(counts - 20_000 / n) < 5 * sd), counts
