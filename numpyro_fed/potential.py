@@ -278,11 +278,11 @@ class FederatedPotential:
     def sample_batch(self, key: Array, data: ClientPartition, batch_size: int) -> dict:
         """Rows of each client's minibatch, leading axes ``(b, n)`` (uniform, with replacement).
 
-        Indices use the multiply-shift map :math:`j = \lfloor u N_i / 2^{32}\rfloor` of a
+        Indices use the multiply-shift map :math:`j = \\lfloor u N_i / 2^{32}\\rfloor` of a
         32-bit random word :math:`u` (Lemire 2019), in exact integer arithmetic: every row has
         probability within a relative :math:`N_i/2^{32}` (< 1.6e-5) of :math:`1/N_i`. It is
         4x faster and compiles 2x faster than ``random.randint`` with per-client bounds.
-        Clients with :math:`\ge 2^{16}` rows use ``random.randint``."""
+        Clients with :math:`\\ge 2^{16}` rows use ``random.randint``."""
         keys = random.split(key, data.num_clients)
         small = data.max_size < (1 << 16)
 
