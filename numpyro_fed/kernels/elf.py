@@ -47,6 +47,7 @@ from jax import random
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed.compressors import Compressor, get_compressor, identity
+from numpyro_fed.distributed.participation import check_participation, participation_mask
 from numpyro_fed.kernels.base import langevin_move
 from numpyro_fed.kernels.langevin import FederatedKernel
 from numpyro_fed.partition import ClientPartition
@@ -85,12 +86,16 @@ class ELFState(NamedTuple):
     - **w** -- ``(d,)``: the model the clients hold: :math:`x_k` for D-ELF, the EF21-P shadow
       iterate :math:`w_k` for P-ELF and B-ELF.
 
+    - **participants** -- with ``participation < 1``: boolean ``(b,)`` mask of the clients
+      whose uplink message was applied in the last round; ``()`` otherwise.
+
     Collect them with ``mcmc.run(key, extra_fields=("extra.g", "extra.g_local"))``.
     """
 
     g_local: jax.Array
     g: jax.Array
     w: jax.Array
+    participants: Any = ()
 
 
 def check_contractive(compressor: Compressor | str | None, arg: str) -> Compressor:
@@ -171,6 +176,13 @@ class ELF(FederatedKernel):
     :param check_finite: stop with a clear error when a chain becomes non-finite.
     :param postprocess_deterministic: return deterministic sites in the samples.
     :param potential: a prebuilt :class:`~numpyro_fed.potential.FederatedPotential`.
+    :param participation: probability ``p`` that a client takes part in a round (default 1).
+        Only the clients in :math:`S_k` compute and send; the others keep their stale
+        :math:`g^i`, and the server adds only the received corrections, so
+        :math:`g = \\sum_i g^i` keeps holding (no reweighting: error feedback absorbs the
+        missing updates). The model update of P-/B-ELF is a broadcast and reaches every
+        client; D-ELF sends :math:`x_{k+1}` to the participants only. The mask of each round is
+        ``state.extra.participants`` (see :mod:`numpyro_fed.distributed.participation`).
 
     **Example**
 
@@ -203,7 +215,9 @@ class ELF(FederatedKernel):
         check_finite: bool = True,
         postprocess_deterministic: bool = True,
         potential: FederatedPotential | None = None,
+        participation: float = 1.0,
     ) -> None:
+        self.participation = check_participation(participation)
         variant = type(self).variant if variant is None else variant
         if not isinstance(variant, str) or variant.upper() not in ELF_VARIANTS:
             options = ", ".join(f"{k!r} ({v})" for k, v in ELF_VARIANTS.items())
@@ -276,7 +290,8 @@ class ELF(FederatedKernel):
         else:
             w, down = x, self._dense_bits(data)
         g_local = self.potential.full_grads(w, data)
-        state = ELFState(g_local=g_local, g=jnp.sum(g_local, axis=0), w=w)
+        parts = jnp.ones((data.num_clients,), bool) if self.participation < 1.0 else ()
+        state = ELFState(g_local=g_local, g=jnp.sum(g_local, axis=0), w=w, participants=parts)
         return state, self._dense_bits(data), down
 
     def refresh_extra(self, extra, x, data):
@@ -285,7 +300,7 @@ class ELF(FederatedKernel):
         gradient at the model it holds, :math:`g^i = \nabla U_i(w)` (one counted uplink
         round); :math:`w` itself is unchanged, so nothing is broadcast."""
         g_local = self.potential.full_grads(extra.w, data)
-        new = ELFState(g_local=g_local, g=jnp.sum(g_local, axis=0), w=extra.w)
+        new = extra._replace(g_local=g_local, g=jnp.sum(g_local, axis=0))
         return new, self._dense_bits(data), 0
 
     def step(self, key, noise_key, i, x, extra, data):
@@ -301,6 +316,8 @@ class ELF(FederatedKernel):
             w_new, down = x_new, jnp.int32(self._dense_bits(data))
         # clients: local gradients at the model they hold
         h = self.oracle(k_batch, w_new, data)
+        if self.participation < 1.0:
+            return self._partial_uplink(key, k_up, x_new, w_new, down, h, extra, data)
         # uplink: EF21 messages (D, B) or dense gradients (P)
         if self._compress_up:
             c, up = self.compress_all(k_up, h - extra.g_local, self.uplink)
@@ -309,6 +326,27 @@ class ELF(FederatedKernel):
         else:
             g_local, g, up = h, jnp.sum(h, axis=0), jnp.int32(self._dense_bits(data))
         return x_new, ELFState(g_local=g_local, g=g, w=w_new), up, down
+
+    def _partial_uplink(self, key, k_up, x_new, w_new, down, h, extra, data):
+        """Uplink of one round with partial participation: only the clients in
+        :math:`S_k` send; absent clients keep their stale :math:`g^i`."""
+        b = data.num_clients
+        mask = participation_mask(key, self.participation, b)
+        if self._compress_up:
+            keys = random.split(k_up, b)
+            c, bits = jax.vmap(self.uplink)(keys, h - extra.g_local)
+            c = jnp.where(mask[:, None], c, 0.0)
+            g_local = extra.g_local + c
+            g = extra.g + jnp.sum(c, axis=0)
+            up = jnp.sum(jnp.where(mask, bits, 0)).astype(jnp.int32)
+        else:
+            g_local = jnp.where(mask[:, None], h, extra.g_local)
+            g = extra.g + jnp.sum(g_local - extra.g_local, axis=0)
+            up = (jnp.sum(mask.astype(jnp.int32)) * 32 * self.potential.dim).astype(jnp.int32)
+        if not self._compress_down:  # D-ELF: x_{k+1} goes to the participants only
+            down = (jnp.sum(mask.astype(jnp.int32)) * 32 * self.potential.dim).astype(jnp.int32)
+        new = ELFState(g_local=g_local, g=g, w=w_new, participants=mask)
+        return x_new, new, up, down
 
 
 class DELF(ELF):

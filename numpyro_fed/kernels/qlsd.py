@@ -57,6 +57,11 @@ from jax import lax, random
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed.compressors import Compressor, identity, quantize
+from numpyro_fed.distributed.participation import (
+    check_participation,
+    participation_mask,
+    ratio_weights,
+)
 from numpyro_fed.kernels.base import langevin_move, split_chain_keys
 from numpyro_fed.kernels.langevin import FederatedKernel
 from numpyro_fed.partition import ClientPartition
@@ -89,6 +94,8 @@ class QLSDExtra(NamedTuple):
     - **zeta** -- QLSD++ control point :math:`\\zeta_k`, shape ``(d,)``.
     - **grad_zeta** -- :math:`\\nabla U_i(\\zeta_k)` held by each client, shape ``(b, d)``.
     - **refreshes** -- number of QLSD++ control-point refreshes so far (int32).
+    - **participants** -- with ``participation < 1``: boolean ``(b,)`` mask of the clients
+      that took part in the last round; ``()`` otherwise.
     """
 
     eta_clients: jax.Array
@@ -96,6 +103,7 @@ class QLSDExtra(NamedTuple):
     zeta: jax.Array
     grad_zeta: jax.Array
     refreshes: jax.Array
+    participants: Any = ()
 
 
 class ThetaStarSearch(NamedTuple):
@@ -262,6 +270,11 @@ class QLSD(FederatedKernel):
     :param oracle: QLSD# only: a custom stochastic gradient oracle
         ``oracle(key, theta, data) -> (b, d)`` array of :math:`H_i(\\theta)` (Alg. 1 with any
         oracle satisfying H3); overrides ``batch_size``.
+    :param participation: probability ``p`` that a client takes part in a round (default 1:
+        every client, every round). Absent clients send nothing and keep their memory term;
+        the server reweights the received messages by the ratio estimator
+        :math:`b/|S_k|` (see :mod:`numpyro_fed.distributed.participation`); the mask of each
+        round is ``state.extra.participants``.
     :param kwargs: :class:`~numpyro_fed.kernels.langevin.FederatedKernel` options (``prior``,
         ``likelihood_weight``, ``init_strategy``, ``check_finite``,
         ``postprocess_deterministic``).
@@ -295,10 +308,12 @@ class QLSD(FederatedKernel):
         theta_star: Mapping[str, Any] | Any | None = None,
         theta_star_kwargs: Mapping[str, Any] | None = None,
         oracle: Callable | None = None,
+        participation: float = 1.0,
         init_strategy: Callable = init_to_uniform,
         **kwargs: Any,
     ) -> None:
         self.variant = _canonical_variant(variant)
+        self.participation = check_participation(participation)
         given = [n for n, v in (("compressor", compressor), ("bits", bits), ("levels", levels))
                  if v is not None]
         if len(given) > 1:
@@ -418,6 +433,7 @@ class QLSD(FederatedKernel):
             zeta=x if self._uses_zeta else empty,
             grad_zeta=jnp.zeros((b, d), x.dtype) if self._uses_zeta else empty,
             refreshes=jnp.zeros((), jnp.int32),
+            participants=jnp.ones((b,), bool) if self.participation < 1.0 else (),
         )
         up, down = self._star_bits
         return extra, up, down + self.broadcast_bits(data)
@@ -451,6 +467,8 @@ class QLSD(FederatedKernel):
         return h, 0.0, extra._replace(zeta=zeta, grad_zeta=grad_zeta, refreshes=count)
 
     def step(self, key, noise_key, i, x, extra, data):
+        if self.participation < 1.0:
+            return self._partial_step(key, noise_key, i, x, extra, data)
         k_batch, k_comp = random.split(key)
         h, offset, extra = self.client_messages(k_batch, i, x, extra, data)
         alpha = self.memory_rate
@@ -467,6 +485,36 @@ class QLSD(FederatedKernel):
         g = g + offset + self.potential.server_grad(x)
         x_new = langevin_move(noise_key, x, g, self._step_size)
         return x_new, extra, up, jnp.int32(self.broadcast_bits(data))
+
+    def _partial_step(self, key, noise_key, i, x, extra, data):
+        """One round with partial participation: clients in :math:`S_k` (drawn by
+        :func:`~numpyro_fed.distributed.participation.participation_mask`) send
+        :math:`g_i = \\mathcal{C}(H_i - \\eta_i)`; the server uses
+        :math:`g = \\eta + (b/|S_k|)\\sum_{i\\in S_k} g_i` and only the senders update their
+        memory. The QLSD++ control variates :math:`\\nabla U_i(\\zeta_k)` are deterministic,
+        so a client absent at a refresh computes the same value when it next takes part."""
+        b = data.num_clients
+        k_batch, k_comp = random.split(key)
+        mask = participation_mask(key, self.participation, b)
+        h, offset, extra = self.client_messages(k_batch, i, x, extra, data)
+        alpha = self.memory_rate
+        centred = h - extra.eta_clients if alpha > 0 else h
+        keys = random.split(k_comp, b)
+        msg, bits = jax.vmap(self.compressor)(keys, centred)
+        up = jnp.sum(jnp.where(mask, bits, 0)).astype(jnp.int32)
+        weights = ratio_weights(mask).astype(msg.dtype)
+        g = jnp.sum(weights[:, None] * msg, 0)
+        if alpha > 0:
+            applied = jnp.where(mask[:, None], msg, 0.0)
+            g = g + extra.eta
+            extra = extra._replace(
+                eta_clients=extra.eta_clients + alpha * applied,
+                eta=extra.eta + alpha * jnp.sum(applied, 0),
+            )
+        g = g + offset + self.potential.server_grad(x)
+        x_new = langevin_move(noise_key, x, g, self._step_size)
+        down = (jnp.sum(mask.astype(jnp.int32)) * 32 * self.potential.dim).astype(jnp.int32)
+        return x_new, extra._replace(participants=mask), up, down
 
     def get_diagnostics_str(self, state):
         base = super().get_diagnostics_str(state)
