@@ -1,0 +1,35 @@
+"""Beyond one device: clients sharded across devices, partial participation.
+
+* :mod:`numpyro_fed.distributed.sharding` -- the client axis of a partition and of a
+  federated kernel's state sharded over devices (:func:`shard_partition`,
+  :func:`shard_kernel`).
+* :mod:`numpyro_fed.distributed.participation` -- partial participation (who takes part in a
+  round, the server's reweighting), shared by the in-process kernels and the Flower
+  deployment.
+* :mod:`numpyro_fed.distributed.client` -- the per-client computations of the kernels as pure
+  functions of one client's data (used by :mod:`numpyro_fed.flower`).
+"""
+
+from numpyro_fed.distributed.participation import (
+    PARTICIPATION_SALT,
+    check_participation,
+    participation_mask,
+    ratio_weights,
+)
+from numpyro_fed.distributed.sharding import (
+    client_mesh,
+    client_sharding,
+    shard_kernel,
+    shard_partition,
+)
+
+__all__ = [
+    "PARTICIPATION_SALT",
+    "check_participation",
+    "client_mesh",
+    "client_sharding",
+    "participation_mask",
+    "ratio_weights",
+    "shard_kernel",
+    "shard_partition",
+]

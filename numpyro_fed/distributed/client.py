@@ -1,0 +1,110 @@
+"""The kernels' per-client computations as pure functions of *one* client's data.
+
+In process, a kernel computes every client's oracle at once, ``vmap``-ed over the padded
+client axis, with client ``i`` using ``random.split(k, b)[i]`` for its minibatch and for its
+compression. :class:`ClientProblem` computes the same quantities for a single client that
+holds only its own (unpadded) rows -- what a Flower ``ClientApp`` runs -- with the same
+random keys, so a deployment reproduces the in-process chain up to floating-point summation
+order (masked sums over ``N_max`` padded rows in process, plain sums over ``N_i`` rows here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import random
+
+from numpyro_fed.partition import ClientPartition
+from numpyro_fed.potential import FederatedPotential
+
+__all__ = ["ClientProblem", "client_key", "batch_indices"]
+
+
+def batch_indices(key: jax.Array, size: jax.Array, batch_size: int, small: bool) -> jax.Array:
+    """One client's minibatch indices exactly as
+    :meth:`~numpyro_fed.potential.FederatedPotential.sample_batch` draws them with the client's
+    key: the multiply-shift map of 32-bit words when ``N_max < 2**16`` (``small``), else
+    ``random.randint``."""
+    if small:
+        u = random.bits(key, (batch_size,), jnp.uint32)
+        n = jnp.asarray(size).astype(jnp.uint32)
+        return (((u >> 16) * n + (((u & 0xFFFF) * n) >> 16)) >> 16).astype(jnp.int32)
+    return random.randint(key, (batch_size,), 0, size)
+
+
+def client_key(key: jax.Array, index: int, num_clients: int) -> jax.Array:
+    """Client ``index``'s key of a per-client split: ``random.split(key, b)[index]``, as the
+    kernels' vmapped oracles and compressions use it."""
+    return random.split(key, num_clients)[index]
+
+
+class ClientProblem:
+    """One client's potential :math:`U_i` and gradient oracles (QLSD Alg. 1-2, ELF Alg. 1).
+
+    :math:`U_i(\\theta) = -\\tau \\sum_{j\\le N_i} \\log p(y_{ij}\\mid\\theta) - w\\,[\\log
+    p(\\theta) + \\log|J(\\theta)|]` with the client's likelihood weight :math:`\\tau` and prior
+    share :math:`w` (see :class:`~numpyro_fed.potential.FederatedPotential`).
+
+    :param model: the NumPyro model (keyword arguments only).
+    :param rows: the client's data, arrays with a leading row axis ``N_i``.
+    :param prior_weight: the client's share :math:`w_i` of the prior.
+    :param likelihood_weight: :math:`\\tau_i`.
+    :param shared: non-row model keyword arguments.
+    :param max_size: ``N_max``, the largest client size of the federation (it selects the
+        index-sampling scheme of :meth:`~numpyro_fed.potential.FederatedPotential.sample_batch`;
+        default: this client's size).
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        rows: Mapping[str, Any],
+        *,
+        prior_weight: float,
+        likelihood_weight: float = 1.0,
+        shared: Mapping[str, Any] | None = None,
+        max_size: int | None = None,
+    ) -> None:
+        part = ClientPartition.from_clients([dict(rows)], shared=shared)
+        self.potential = pot = FederatedPotential(model, part, prior="split", check=False)
+        self.rows = {k: v[0] for k, v in part.data.items()}
+        self.size = jnp.asarray(part.sizes)[0]
+        self.mask = jnp.ones((int(part.sizes_np[0]),), bool)
+        self.tau = jnp.asarray(np.float64(likelihood_weight))
+        self.w = jnp.asarray(np.float64(prior_weight))
+        self.dim = pot.dim
+        rows_, size, mask, tau, w = self.rows, self.size, self.mask, self.tau, self.w
+
+        def full_grad(theta):
+            g = jax.grad(pot._client_lik_potential)(theta, rows_, mask, tau)
+            return g + w * pot.prior_grad(theta)
+
+        small = (int(part.sizes_np[0]) if max_size is None else int(max_size)) < (1 << 16)
+
+        def batch(key, n):
+            return jax.tree.map(lambda a: a[batch_indices(key, size, n, small)], rows_)
+
+        def batch_grad(key, theta, n):
+            g = jax.grad(pot._client_batch_potential)(theta, batch(key, n), size, tau, n)
+            return g + w * pot.prior_grad(theta)
+
+        def batch_grad_diff(key, theta, zeta, n):
+            r = batch(key, n)
+            grad_fn = jax.grad(pot._client_batch_potential)
+            g = grad_fn(theta, r, size, tau, n) - grad_fn(zeta, r, size, tau, n)
+            return g + w * (pot.prior_grad(theta) - pot.prior_grad(zeta))
+
+        self.full_grad = jax.jit(full_grad)
+        self.batch_grad = jax.jit(batch_grad, static_argnums=2)
+        self.batch_grad_diff = jax.jit(batch_grad_diff, static_argnums=3)
+
+    def oracle(self, key: jax.Array, theta: jax.Array, batch_size: int | None) -> jax.Array:
+        """:math:`H_i(\\theta)`: exact gradient, or the minibatch oracle with this client's
+        key (``random.split(k_batch, b)[i]``)."""
+        if batch_size is None:
+            return self.full_grad(theta)
+        return self.batch_grad(key, theta, batch_size)

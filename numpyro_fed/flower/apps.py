@@ -1,0 +1,188 @@
+"""Flower apps: a ``ClientApp`` per client, a ``ServerApp`` running the server step.
+
+Messages (``message_type="query"``; Flower's Message API, ``flwr>=1.20``):
+
+* server -> client: ``RecordDict({"cmd": ConfigRecord, "arrays": ArrayRecord})`` with the
+  round's scalars (phase, round, ack, refresh, spec) and arrays: ``theta`` (dense float32
+  payload, 32 d bits), ``key`` (the step's 64-bit algorithm key) and, when needed, ``zeta``;
+* client -> server: ``RecordDict({"meta": ConfigRecord, "reply": ArrayRecord})`` with the
+  round, the declared bits and one ``uint8`` ``payload``: the compressed message in the
+  bit-exact format of :mod:`numpyro_fed.flower.codecs`. Nothing else leaves a client (the
+  ``hello`` reply carries its index, its number of rows and the shapes/dtypes of a row).
+
+The client keeps its state in ``context.state`` (records ``numpyro_fed.arrays`` and
+``numpyro_fed.ints``), which the SuperNode persists between the messages of a run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.serde import recorddict_to_proto
+from flwr.serverapp import Grid, ServerApp
+
+from numpyro_fed.flower.protocol import ClientWorker, FlowerSpec, Reply, ServerCoordinator
+
+__all__ = [
+    "make_client_app",
+    "make_server_app",
+    "GridTransport",
+    "load_npz_data",
+    "serve",
+    "content_bytes",
+]
+
+log = logging.getLogger("numpyro_fed.flower")
+
+_ARRAYS, _INTS = "numpyro_fed.arrays", "numpyro_fed.scalars"
+
+
+def content_bytes(content: RecordDict) -> int:
+    """Size in bytes of a message's content as Flower serialises it (protobuf)."""
+    return recorddict_to_proto(content).ByteSize()
+
+
+def load_npz_data(context: Context) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
+    """Default data loader of a ClientApp: ``node_config`` ``partition-id`` (the client's
+    index) and ``data-path`` (an ``.npz`` of the client's rows, one array per model keyword).
+
+    :return: ``(index, rows, shared)``.
+    """
+    cfg = context.node_config
+    for key in ("partition-id", "data-path"):
+        if key not in cfg:
+            raise ValueError(
+                f"SuperNode node_config lacks {key!r}; start it with --node-config "
+                "\"partition-id=0 data-path='/path/client0.npz'\""
+            )
+    with np.load(str(cfg["data-path"])) as f:
+        rows = {k: f[k] for k in f.files}
+    return int(cfg["partition-id"]), rows, {}
+
+
+def _load_state(context: Context) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    if _ARRAYS in context.state:
+        for k, a in context.state[_ARRAYS].items():
+            state[k] = a.numpy()
+    if _INTS in context.state:
+        state.update(dict(context.state[_INTS].items()))
+    return state
+
+
+def _save_state(context: Context, state: Mapping[str, Any]) -> None:
+    arrays = {k: Array(np.asarray(v)) for k, v in state.items() if isinstance(v, np.ndarray)}
+    ints = {k: v.item() if isinstance(v, np.generic) else v
+            for k, v in state.items() if not isinstance(v, np.ndarray)}
+    context.state[_ARRAYS] = ArrayRecord(arrays)
+    context.state[_INTS] = ConfigRecord(ints)
+
+
+def make_client_app(
+    load_data: Callable[[Context], tuple[int, Mapping, Mapping]] = load_npz_data,
+) -> ClientApp:
+    """A Flower ``ClientApp`` holding one client's data and state.
+
+    :param load_data: ``context -> (index, rows, shared)``; default :func:`load_npz_data`.
+    """
+    app = ClientApp()
+    workers: dict[tuple, ClientWorker] = {}  # one per (run, node) in a long-lived process
+
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        key = (context.run_id, context.node_id, id(context.state))
+        worker = workers.get(key)
+        if worker is None:
+            index, rows, shared = load_data(context)
+            worker = workers[key] = ClientWorker(index, rows, shared)
+        cmd = dict(msg.content["cmd"])
+        arrays = {}
+        if "arrays" in msg.content:
+            arrays = {k: a.numpy() for k, a in msg.content["arrays"].items()}
+        meta, payload, state = worker.handle(cmd, arrays, _load_state(context))
+        _save_state(context, state)
+        content = RecordDict(
+            {"meta": ConfigRecord(meta), "reply": ArrayRecord({"payload": Array(payload)})}
+        )
+        return Message(content, reply_to=msg)
+
+    return app
+
+
+class GridTransport:
+    """:class:`~numpyro_fed.flower.protocol.Transport` over a Flower ``Grid``."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+
+    def nodes(self) -> list[int]:
+        return sorted(self.grid.get_node_ids())
+
+    def exchange(self, requests, phase, round_, timeout):
+        messages, sent = [], {}
+        for node, (cmd, arrays) in requests.items():
+            content = RecordDict({"cmd": ConfigRecord(dict(cmd))})
+            if arrays:
+                content["arrays"] = ArrayRecord(
+                    {k: Array(np.asarray(v)) for k, v in arrays.items()}
+                )
+            sent[node] = content_bytes(content)
+            messages.append(
+                Message(content, dst_node_id=int(node), message_type="query",
+                        group_id=f"{phase}-{round_}")
+            )
+        replies: dict[int, Reply] = {}
+        for rep in self.grid.send_and_receive(messages, timeout=timeout):
+            node = rep.metadata.src_node_id
+            if node not in requests:
+                continue
+            if rep.has_error():
+                replies[node] = Reply(error=f"client error {rep.error.code}: {rep.error.reason}")
+                continue
+            try:
+                meta = dict(rep.content["meta"])
+                payload = rep.content["reply"]["payload"].numpy()
+                replies[node] = Reply(meta, payload, content_bytes(rep.content))
+            except Exception as err:  # noqa: BLE001 - any malformed content is rejected
+                replies[node] = Reply(error=f"malformed reply ({type(err).__name__}: {err})")
+        return replies, sent
+
+
+def serve(grid: Grid, spec: FlowerSpec, **kwargs: Any) -> ServerCoordinator:
+    """Run a deployment's server over ``grid``; return the finished coordinator
+    (draws in ``.draws``, per-round bits and participants in ``.log``)."""
+    coord = ServerCoordinator(spec, GridTransport(grid), **kwargs)
+    coord.run()
+    return coord
+
+
+def make_server_app(spec: FlowerSpec | None = None, *, output: str | None = None,
+                    **kwargs: Any) -> ServerApp:
+    """A Flower ``ServerApp`` running the kernel's server step.
+
+    :param spec: the run's :class:`~numpyro_fed.flower.protocol.FlowerSpec`; default: read
+        from the run config (``flwr run --run-config``; keys as in ``FlowerSpec``).
+    :param output: path of the NetCDF file of the resulting InferenceData; default: the run
+        config's ``output`` key (nothing written if absent).
+    :param kwargs: options of :class:`~numpyro_fed.flower.protocol.ServerCoordinator`.
+    """
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        from numpyro_fed.flower.runner import to_inference_data
+
+        s = spec or FlowerSpec.from_config(context.run_config)
+        coord = serve(grid, s, **kwargs)
+        path = output or context.run_config.get("output")
+        if path:
+            to_inference_data(coord).to_netcdf(str(path))
+            log.info("numpyro_fed: draws written to %s", path)
+        app.numpyro_fed_result = coord
+
+    return app
