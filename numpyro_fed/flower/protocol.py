@@ -576,6 +576,8 @@ class ServerCoordinator:
             lg.bits_down_payload.append(down_payload)
             lg.bits_down_wire.append(int(8 * sum(sent.values())))
         self.draws = draws
+        self.applied = applied
+        self.server_state = {"eta": np.asarray(eta), "g": None if g is None else np.asarray(g)}
         return draws
 
     def _init_delf(self, x: jax.Array, dense) -> jax.Array:
