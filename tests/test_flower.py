@@ -147,3 +147,15 @@ def test_inprocess_participation_records_and_halves_uplink(problem):
     _, extra_full = _inprocess(full_kernel, steps)
     bits_half = np.mean(mcmc.get_extra_fields()["bits_up"])
     assert bits_half < 0.6 * np.mean(np.asarray(extra_full["bits_up"]))
+
+
+def test_example_smoke(tmp_path):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "flower_qlsd.py"
+    spec = importlib.util.spec_from_file_location("flower_qlsd", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--smoke", "--out", str(tmp_path)])
+    assert (tmp_path / "flower_qlsd.md").exists() and (tmp_path / "flower_qlsd.png").exists()
