@@ -4,8 +4,9 @@ An ordinary NumPyro model + a :class:`ClientPartition` of its data -> a NumPyro
 ``MCMCKernel`` -> :class:`numpyro.infer.MCMC` -> ArviZ ``InferenceData``.
 """
 
-from numpyro_fed import compressors
+from numpyro_fed import compressors, distributed
 from numpyro_fed.bits import BitCounter, counter_value
+from numpyro_fed.distributed import shard_kernel, shard_partition
 from numpyro_fed.infdata import communication_summary, to_inference_data
 from numpyro_fed.kernels import (
     BELF,
@@ -56,5 +57,8 @@ __all__ = [
     "communication_summary",
     "compressors",
     "counter_value",
+    "distributed",
+    "shard_kernel",
+    "shard_partition",
     "to_inference_data",
 ]

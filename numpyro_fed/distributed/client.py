@@ -19,21 +19,9 @@ import numpy as np
 from jax import random
 
 from numpyro_fed.partition import ClientPartition
-from numpyro_fed.potential import FederatedPotential
+from numpyro_fed.potential import FederatedPotential, batch_indices
 
-__all__ = ["ClientProblem", "client_key", "batch_indices"]
-
-
-def batch_indices(key: jax.Array, size: jax.Array, batch_size: int, small: bool) -> jax.Array:
-    """One client's minibatch indices exactly as
-    :meth:`~numpyro_fed.potential.FederatedPotential.sample_batch` draws them with the client's
-    key: the multiply-shift map of 32-bit words when ``N_max < 2**16`` (``small``), else
-    ``random.randint``."""
-    if small:
-        u = random.bits(key, (batch_size,), jnp.uint32)
-        n = jnp.asarray(size).astype(jnp.uint32)
-        return (((u >> 16) * n + (((u & 0xFFFF) * n) >> 16)) >> 16).astype(jnp.int32)
-    return random.randint(key, (batch_size,), 0, size)
+__all__ = ["ClientProblem", "client_key", "batch_indices"]  # batch_indices re-exported
 
 
 def client_key(key: jax.Array, index: int, num_clients: int) -> jax.Array:
@@ -83,10 +71,10 @@ class ClientProblem:
             g = jax.grad(pot._client_lik_potential)(theta, rows_, mask, tau)
             return g + w * pot.prior_grad(theta)
 
-        small = (int(part.sizes_np[0]) if max_size is None else int(max_size)) < (1 << 16)
+        max_rows = int(part.sizes_np[0]) if max_size is None else int(max_size)
 
         def batch(key, n):
-            return jax.tree.map(lambda a: a[batch_indices(key, size, n, small)], rows_)
+            return jax.tree.map(lambda a: a[batch_indices(key, size, n, max_rows)], rows_)
 
         def batch_grad(key, theta, n):
             g = jax.grad(pot._client_batch_potential)(theta, batch(key, n), size, tau, n)
