@@ -43,16 +43,18 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     p.add_argument("--refresh-every", type=int, default=100)
     p.add_argument("--levels", type=int, nargs="+", default=[2, 4])
     p.add_argument("--mala-samples", type=int, default=20_000)
+    p.add_argument("--mala-warmup", type=int, default=2000)
     args = p.parse_args(argv)
     if args.smoke:
         args.clients, args.steps, args.chains, args.mala_samples = 5, 200, 2, 300
+        args.mala_warmup = 200
         args.levels = [2]
     clients = synthetic_fedprox(1.0, 1.0, args.clients, dim=2, num_classes=2, seed=args.seed)
     part = ClientPartition.from_clients([{"X": X, "y": y} for X, y in clients],
                                         shared={"prior_scale": PRIOR_SCALE})
     pooled = part.pooled()
 
-    mala = MCMC(MALA(logistic_regression, step_size=1e-4), num_warmup=2000,
+    mala = MCMC(MALA(logistic_regression, step_size=1e-4), num_warmup=args.mala_warmup,
                 num_samples=args.mala_samples, num_chains=4, chain_method="vectorized",
                 progress_bar=False)
     mala.run(random.PRNGKey(args.seed + 100), X=pooled["X"], y=pooled["y"],
