@@ -17,6 +17,7 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 from jax import random
+from mc_stats import batch_means_se  # batches of 1000 steps >> relaxation time 44
 from numpyro.infer import MCMC
 
 from models import logistic_regression
@@ -239,20 +240,6 @@ def gaussian():
     return {"part": part, "gamma": gamma, "mean": mean, "cov": cov, "A": A}
 
 
-def _batch_means(x, num_batches=25):
-    """Mean over chains and its batch-means standard error, per coordinate.
-
-    Each chain is cut into ``num_batches`` contiguous batches; batch means of a long
-    ergodic chain are approximately independent, so the SE of the grand mean is the sample
-    SD of the ``chains * num_batches`` batch means divided by their square root (batches are
-    1000 steps, > 20 times the slowest relaxation time 1/(gamma lambda_min(A)) = 44 steps)."""
-    ch, n = x.shape[:2]
-    size = n // num_batches
-    bm = x[:, : num_batches * size].reshape(ch, num_batches, size, *x.shape[2:]).mean(2)
-    bm = bm.reshape(ch * num_batches, *x.shape[2:])
-    return bm.mean(0), bm.std(0, ddof=1) / np.sqrt(bm.shape[0])
-
-
 def _gaussian_moments(kernel, seed=1):
     mcmc = _run(kernel, 25_000, num_chains=4, num_warmup=2_000, seed=seed)
     x = np.asarray(mcmc.get_samples(group_by_chain=True)["theta"], np.float64)
@@ -262,12 +249,12 @@ def _gaussian_moments(kernel, seed=1):
 def _check_moments(x, g, var_bias_bound):
     """Means within 4 batch-means SE of the exact mean; the variance along each
     eigen-direction of LMC's covariance within [-4 SE, 4 SE + var_bias_bound] (relative)."""
-    mean, se = _batch_means(x)
+    mean, se = batch_means_se(x, 25)
     z = (mean - g["mean"]) / se
     assert np.all(np.abs(z) < 4.0), f"mean z-scores {z}"
     evals, evecs = np.linalg.eigh(g["cov"])
     proj = (x - g["mean"]) @ evecs  # coordinates in LMC's principal axes
-    v, vse = _batch_means(proj**2)
+    v, vse = batch_means_se(proj**2, 25)
     rel, rel_se = v / evals - 1.0, vse / evals
     assert np.all(rel > -4 * rel_se), f"variance rel. error {rel} (se {rel_se})"
     assert np.all(rel < 4 * rel_se + var_bias_bound), f"variance rel. error {rel} (se {rel_se})"

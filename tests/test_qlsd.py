@@ -19,6 +19,7 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 from jax import lax, random
+from mc_stats import batch_means_se
 from numpyro.infer import MCMC
 
 from numpyro_fed import ULA, ClientPartition, compressors
@@ -27,20 +28,6 @@ from numpyro_fed.kernels.qlsd import LSD, QLSD, VARIANTS, QLSDPlusPlus, QLSDShar
 
 
 # ----------------------------------------------------------------------------- helpers
-def batch_means_se(draws, num_batches=40):
-    """Batch-means estimate and standard error of the mean of ``draws`` (chains, samples, ...).
-
-    Each chain is cut into ``num_batches`` consecutive batches, much longer than the
-    integrated autocorrelation time, so batch means are ~independent; the SE is their
-    standard deviation over sqrt(total number of batches)."""
-    draws = np.asarray(draws, np.float64)
-    c, s = draws.shape[:2]
-    m = s // num_batches
-    bm = draws[:, : m * num_batches].reshape((c, num_batches, m) + draws.shape[2:]).mean(2)
-    bm = bm.reshape((c * num_batches,) + draws.shape[2:])
-    return bm.mean(0), bm.std(0, ddof=1) / np.sqrt(c * num_batches)
-
-
 def gauss_model(y, prior_scale=1.0):
     theta = numpyro.sample(
         "theta", dist.Normal(0.0, prior_scale).expand([y.shape[-1]]).to_event(1)

@@ -192,6 +192,16 @@ class _ModelLangevinBase(MCMCKernel):
     def _maybe_vmap(self, fn, in_axes):
         return jax.vmap(fn, in_axes=in_axes) if self._vectorized else fn
 
+    def refresh(self, state, model_args, model_kwargs):
+        """Recompute the cached potential and gradient for new model arguments."""
+        pe = self._flat_pe(model_args, model_kwargs)
+
+        def one(s):
+            u, g = jax.value_and_grad(pe)(ravel_pytree(s.z)[0])
+            return s._replace(potential_energy=u, z_grad=g)
+
+        return self._maybe_vmap(one, 0)(state)
+
 
 class ULA(_ModelLangevinBase):
     """Unadjusted Langevin algorithm on a NumPyro model (or a potential function).
@@ -222,16 +232,6 @@ class ULA(_ModelLangevinBase):
             return LangevinState(jnp.zeros((), jnp.int32), z, u, g, key)
 
         return self._maybe_vmap(init_one, (0, 0))(z0, rng_key)
-
-    def refresh(self, state, model_args, model_kwargs):
-        """Recompute the cached potential and gradient for new model arguments."""
-        pe = self._flat_pe(model_args, model_kwargs)
-
-        def one(s):
-            u, g = jax.value_and_grad(pe)(ravel_pytree(s.z)[0])
-            return s._replace(potential_energy=u, z_grad=g)
-
-        return self._maybe_vmap(one, 0)(state)
 
     def sample(self, state, model_args, model_kwargs):
         pe = self._flat_pe(model_args, model_kwargs)
@@ -316,16 +316,6 @@ class MALA(_ModelLangevinBase):
             )
 
         return self._maybe_vmap(init_one, (0, 0))(z0, rng_key)
-
-    def refresh(self, state, model_args, model_kwargs):
-        """Recompute the cached potential and gradient for new model arguments."""
-        pe = self._flat_pe(model_args, model_kwargs)
-
-        def one(s):
-            u, g = jax.value_and_grad(pe)(ravel_pytree(s.z)[0])
-            return s._replace(potential_energy=u, z_grad=g)
-
-        return self._maybe_vmap(one, 0)(state)
 
     def sample(self, state, model_args, model_kwargs):
         pe = self._flat_pe(model_args, model_kwargs)
