@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
     a = p.parse_args(argv)
     steps = [float(s) for s in a.steps.split(",")]
     if a.smoke:
-        steps, a.reps, a.iters, a.n, a.d = [1e-3, 2e-2], 1, 10, 200, 20
+        steps, a.reps, a.iters, a.n, a.d = [2e-2], 1, 10, 200, 20
     t_start = time.perf_counter()
     X, y, cond = synthetic_data(a.n, a.d, seed=a.seed)
     star = np.array(THETA_STAR)
