@@ -34,10 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax import lax, random  # noqa: E402
-from jax.flatten_util import ravel_pytree  # noqa: E402
-from numpyro.infer.util import initialize_model  # noqa: E402
-
 from _common import (  # noqa: E402
     compiled_scan,
     device_name,
@@ -46,6 +42,10 @@ from _common import (  # noqa: E402
     md_table,
     write_result,
 )
+from jax import lax, random  # noqa: E402
+from jax.flatten_util import ravel_pytree  # noqa: E402
+from numpyro.infer.util import initialize_model  # noqa: E402
+
 from models import logistic_regression  # noqa: E402
 from numpyro_fed import ClientPartition, compressors  # noqa: E402
 from numpyro_fed.kernels.base import langevin_move  # noqa: E402

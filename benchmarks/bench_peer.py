@@ -31,8 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax import lax, random  # noqa: E402
-
 from _common import (  # noqa: E402
     compiled_scan,
     device_name,
@@ -42,6 +40,8 @@ from _common import (  # noqa: E402
     write_result,
 )
 from bench_overhead import kernel_scan  # noqa: E402
+from jax import lax, random  # noqa: E402
+
 from models import logistic_regression  # noqa: E402
 from numpyro_fed import ClientPartition  # noqa: E402
 from numpyro_fed.kernels.langevin import FederatedLangevin  # noqa: E402

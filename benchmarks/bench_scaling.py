@@ -29,8 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax import random  # noqa: E402
-
 from _common import (  # noqa: E402
     device_name,
     interleaved_min,
@@ -39,6 +37,8 @@ from _common import (  # noqa: E402
     write_result,
 )
 from bench_overhead import kernel_scan, make_data  # noqa: E402
+from jax import random  # noqa: E402
+
 from models import logistic_regression  # noqa: E402
 from numpyro_fed import compressors  # noqa: E402
 from numpyro_fed.kernels.elf import ELF  # noqa: E402
