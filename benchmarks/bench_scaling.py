@@ -76,8 +76,8 @@ def fit_exponent(sizes, times) -> tuple[float, float]:
 def scaling(args) -> str:
     base = dict(b=args.base, n=args.base, d=args.base)
     rows = []
-    for kind in ("LMC", "QLSD# 4-bit"):
-        for axis in ("b", "n", "d"):
+    for kind in args.kinds:
+        for axis in args.axes:
             sizes, cands = [], {}
             for f in (1, 10, 100):
                 s = dict(base, **{axis: base[axis] * f})
@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--chain-steps", type=int, default=2000)
     p.add_argument("--chain-counts", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--kinds", nargs="+", default=["LMC", "QLSD# 4-bit"],
+                   choices=["LMC", "QLSD# 4-bit", "QLSD++ 4-bit", "D-ELF top-1"])
+    p.add_argument("--axes", nargs="+", default=["b", "n", "d"], choices=["b", "n", "d"])
     p.add_argument("--skip", nargs="*", default=[], choices=["scaling", "memory", "chains"])
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

@@ -1,0 +1,119 @@
+"""Run the whole benchmark suite (``make bench``) and print a summary table.
+
+Items (each a script of this folder with its own ``--help``; results in
+``benchmarks/results/<name>.md``):
+
+1. ``bench_overhead.py`` -- every kernel inside MCMC vs a hand-fused ``lax.scan``
+   (1 and 4 vectorized chains), target ≤ 1.15;
+2. ``bench_peer.py`` -- FederatedLangevin (1 client, identity) vs BlackJAX ``sgld``,
+   target ≤ 1.1;
+3. and 5. ``bench_scaling.py`` -- time per step as b, n, d grow 10x / 100x (fitted
+   exponents), kernel-state bytes vs N, vectorized throughput with 1, 4, 16 chains;
+4. ``bench_large.py`` -- N = 10^6 logistic regression over 1000 clients: NUTS vs
+   LSD*/LSD++/QLSD 4-bit, wall time to a posterior-accuracy criterion, target ≤ 1/5.
+
+Default sizes take about 20 minutes on a 2-core CPU; ``--smoke`` runs every item at tiny
+sizes (seconds, for the test suite); ``--full`` uses the issue's full settings for item 4
+(more NUTS draws, NUTS reference). The summary is also written to
+``benchmarks/results/summary.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_large  # noqa: E402
+import bench_overhead  # noqa: E402
+import bench_peer  # noqa: E402
+import bench_scaling  # noqa: E402
+from _common import device_name, md_table, write_result  # noqa: E402
+
+SMOKE = {
+    "overhead": ["--clients", "2", "--rows", "10", "--dim", "3", "--batch", "2", "--steps", "8",
+                 "--repeats", "1", "--chains", "1", "--kernels", "LMC"],
+    "peer": ["--rows", "50", "--dim", "3", "--batch", "5", "--steps", "8", "--repeats", "1"],
+    "scaling": ["--base", "1", "--rows", "100", "--steps", "8", "--repeats", "1", "--kinds",
+                "LMC", "--axes", "d", "--chain-steps", "8", "--chain-counts", "1", "2"],
+    "large": ["--rows", "2000", "--clients", "4", "--dim", "3", "--nuts-warmup", "20",
+              "--nuts-samples", "20", "--fed-warmup", "20", "--fed-samples", "40",
+              "--kernels", "LSD++"],
+}
+FULL = {"large": ["--nuts-warmup", "1000", "--nuts-samples", "2000", "--fed-samples", "20000",
+                  "--reference", "nuts"]}
+ITEMS = {"overhead": bench_overhead, "peer": bench_peer, "scaling": bench_scaling,
+         "large": bench_large}
+
+
+def _table(md: str, title_start: str | None = None) -> list[list[str]]:
+    """Rows of the first markdown table after a heading starting with ``title_start``."""
+    if title_start is not None:
+        md = md[md.index(title_start):] if title_start in md else ""
+    rows = [line.strip().strip("|").split("|") for line in md.splitlines()
+            if line.startswith("|") and not line.startswith("|---")]
+    return [[c.strip() for c in r] for r in rows[1:]]
+
+
+def _num(s: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        return float("nan")
+
+
+def headline(name: str, md: str) -> str:
+    """One line of the key numbers of an item's markdown."""
+    if name == "overhead":
+        rows = _table(md)
+        worst = max(rows, key=lambda r: _num(r[7]))
+        return (f"MCMC / fused: max {_num(worst[7]):.2f} ({worst[0]}, {worst[1]} chain(s)); "
+                f"median {sorted(_num(r[7]) for r in rows)[len(rows) // 2]:.2f}")
+    if name == "peer":
+        rows = {r[0]: r for r in _table(md)}
+        return f"ours (MCMC) / BlackJAX sgld = {_num(rows['ours (MCMC)'][2]):.2f}"
+    if name == "scaling":
+        rows = _table(md, "### Time per step")
+        ex = "; ".join(f"{r[0]} {r[1]}: {_num(r[5]):.2f}" for r in rows)
+        chains = _table(md, "### Vectorized chains")
+        thr = ", ".join(f"{r[0]} chains x{_num(r[3]):.2f}" for r in chains)
+        return f"fitted exponents: {ex}. Throughput vs 1 chain: {thr}"
+    if name == "large":
+        m = re.search(r"^(Best federated kernel.*|No federated kernel.*)$", md, re.M)
+        return m.group(1) if m else ""
+    return ""
+
+
+def main(argv: list[str] | None = None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (seconds)")
+    p.add_argument("--full", action="store_true", help="full settings for the large run")
+    p.add_argument("--only", nargs="+", choices=list(ITEMS), default=list(ITEMS))
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    args = p.parse_args(argv)
+    rows, parts = [], []
+    for name in args.only:
+        argv_i = list(SMOKE[name]) if args.smoke else list(FULL.get(name, [])) if args.full \
+            else []
+        if args.out:
+            argv_i += ["--out", str(args.out)]
+        print(f"=== {name}: {ITEMS[name].__file__} {' '.join(argv_i)}", flush=True)
+        t0 = time.perf_counter()
+        md = ITEMS[name].main(argv_i)
+        rows.append([name, f"results/{name}.md", f"{time.perf_counter() - t0:.0f}",
+                     headline(name, md)])
+        parts.append(md)
+    summary = (f"### Benchmark summary ({device_name()})\n\n"
+               + md_table(["item", "table", "run time s", "headline"], rows))
+    write_result("summary", summary, args.out)
+    print("\n" + summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

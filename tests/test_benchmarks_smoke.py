@@ -1,0 +1,47 @@
+"""Smoke test of the benchmark entry point (``make bench`` = ``benchmarks/run_all.py``).
+
+Tiny sizes: checks that the items run end to end, write their markdown tables and that the
+summary names every item; the timings themselves are meaningless at these sizes and are not
+tested (benchmarks are not tests: they print ratios measured on a noisy machine).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def run_all():
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("run_all", BENCH / "run_all.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_run_all_smoke(run_all, tmp_path):
+    items = ["overhead", "large"]
+    summary = run_all.main(["--smoke", "--only", *items, "--out", str(tmp_path)])
+    for name in items:
+        text = (tmp_path / f"{name}.md").read_text()
+        assert text.startswith("### ")
+        assert f"| {name} | results/{name}.md |" in summary
+    overhead = (tmp_path / "overhead.md").read_text()
+    assert "| LMC (FederatedLangevin) | 1 |" in overhead
+    large = (tmp_path / "large.md").read_text()
+    assert "| NUTS (centralised) |" in large and "| LSD++ |" in large
+    assert (tmp_path / "summary.md").exists()
+
+
+def test_headline_parsing(run_all):
+    md = ("### t\n\n| kernel | chains | a | b | c | d | e | MCMC / fused | f |\n|---|\n"
+          "| K1 | 1 | 1 | 1 | 1 | 1 | 1 | 1.05 | 1 |\n| K2 | 4 | 1 | 1 | 1 | 1 | 1 | 1.30 | 1 |\n")
+    assert run_all.headline("overhead", md).startswith("MCMC / fused: max 1.30 (K2, 4 chain(s))")
+    assert run_all.headline("large", "x\nBest federated kernel: **LSD++**, 1 s\n") \
+        == "Best federated kernel: **LSD++**, 1 s"
