@@ -849,9 +849,9 @@ class SAEM:
                 p = jnp.ones(info.dim_z, z.dtype) if P is None else P(theta_u).astype(z.dtype)
                 u, g = vg(z)
 
-                def body(carry, k):
-                    z, u, g = carry
-                    kn, ka = random.split(k)
+                def body(i, carry):
+                    z, u, g, acc_sum = carry
+                    kn, ka = random.split(random.fold_in(key, i))
                     xi = random.normal(kn, z.shape, z.dtype)
                     y = z - eta * p * g + jnp.sqrt(2.0 * eta * p) * xi
                     uy, gy = vg(y)
@@ -869,11 +869,12 @@ class SAEM:
                         gy = jnp.where(ok[:, None], gy, g)
                     else:
                         acc = jnp.ones(z.shape[0], z.dtype)
-                    return (y, uy, gy), jnp.mean(acc)
+                    return y, uy, gy, acc_sum + jnp.mean(acc)
 
-                (z, u, g), acc = lax.scan(body, (z, u, g), random.split(key, n))
+                # `n` may be traced (one compiled E-step serves burn-in, iterations and draws)
+                z, u, g, acc_sum = lax.fori_loop(0, n, body, (z, u, g, jnp.zeros((), z.dtype)))
                 finite = jnp.all(jnp.isfinite(u)) & jnp.all(jnp.isfinite(z))
-                return z, kstate, jnp.mean(acc), finite
+                return z, kstate, acc_sum / jnp.maximum(n, 1).astype(z.dtype), finite
 
             return (lambda key, z, theta_u: ()), estep
 
@@ -935,14 +936,17 @@ class SAEM:
             kwt = kw(theta_u)
             kstate = jax.vmap(lambda s: kernel.refresh(s, args, kwt))(kstate)
 
-            def body(s, _):
+            def body(_, c):
+                s, acc_sum = c
                 s = jax.vmap(lambda st: kernel.sample(st, args, kwt))(s)
-                return s, getattr(s, "accept_prob", jnp.ones(()))
+                acc = jnp.mean(getattr(s, "accept_prob", jnp.ones(())))
+                return s, acc_sum + acc.astype(acc_sum.dtype)
 
-            kstate, acc = lax.scan(body, kstate, None, length=n)
+            zdt = z.dtype
+            kstate, acc_sum = lax.fori_loop(0, n, body, (kstate, jnp.zeros((), zdt)))
             zf = jax.vmap(lambda st: ravel_pytree(getattr(st, field))[0])(kstate)
             finite = jnp.all(jnp.isfinite(zf))
-            return zf, kstate, jnp.mean(acc), finite
+            return zf, kstate, acc_sum / jnp.maximum(n, 1).astype(zdt), finite
 
         return init_kstate, estep
 
@@ -956,26 +960,25 @@ class SAEM:
         g, H = jax.vmap(one)(z)
         return g, H
 
-    def _build(self, rng_key, args, kwargs, init_params):
-        """Initial state and the one-iteration function (also used by the benchmark)."""
+    # phases of the compiled program: burn-in (then M-step statistics initialised), SAEM
+    # iterations, draws at the final theta, padding of the last progress-bar chunk
+    _BURN, _ITER, _DRAW, _PAD = 0, 1, 2, 3
+
+    def _prepare(self, rng_key, args, kwargs, init_params):
+        """Model analysis, initial latents, the E-step, the initial state (before burn-in; the
+        M-step statistics are zeros of the right structure) and the post-E-step update of one
+        SAEM iteration."""
         info, theta0 = self._setup(rng_key, args, kwargs, init_params)
-        k_z, k_kern, k_burn, k_run = random.split(random.fold_in(rng_key, 1), 4)
+        k_z, k_kern, _, k_run = random.split(random.fold_in(rng_key, 1), 4)
         z0 = self._init_z(k_z, theta0, args, kwargs)
         init_kstate, estep = self._make_estep(args, kwargs)
         self._estep = estep
         kstate = init_kstate(k_kern, z0, theta0)
-        burn = self.schedule.num_burnin
-        if burn:
-            z0, kstate, _, fin = jax.jit(
-                lambda k, z, ks, t: estep(k, z, ks, t, burn)
-            )(k_burn, z0, kstate, theta0)
-            if not bool(fin):
-                raise DivergenceError(
-                    f"SAEM: the E-step kernel diverged during burn-in at theta_0="
-                    f"{self._format_theta(theta0)} with step_size={self.step_size:.3g}; "
-                    "reduce `step_size`."
-                )
-        mstate = self.mstep.init(theta0, z0, args, kwargs)
+        mstep = self.mstep
+        # structure of the M-step state without evaluating it (it is initialised after the
+        # burn-in, inside the compiled program)
+        mshape = jax.eval_shape(lambda t, z: mstep.init(t, z, args, kwargs), theta0, z0)
+        mstate = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mshape)
         d = info.dim_theta
         dt = theta0.dtype
         louis = (jnp.zeros(d, dt), jnp.zeros((d, d), dt)) if self._use_fisher else ()
@@ -983,17 +986,14 @@ class SAEM:
             jnp.zeros((), jnp.int32), z0, theta0, mstate, kstate, louis, k_run,
             jnp.full((), -1, jnp.int32), theta0,
         )
-        m = self.num_mcmc_steps
         anneal = jnp.asarray(self._anneal_mask)
         tau = self.schedule.anneal_factor
         n_expl = self.schedule.num_exploration
-        mstep = self.mstep
         need_sh = self._use_fisher or isinstance(mstep, _NewtonMStep)
 
-        def iteration(state: SAEMState, gamma, active=True):
-            key, k_e = random.split(state.rng_key)
+        def update(state: SAEMState, key, z, kstate, finite, gamma, active=True):
+            """SA + M-step after the E-step drew ``z`` at ``state.theta``."""
             theta = state.theta
-            z, kstate, acc, finite = estep(k_e, state.z, state.kstate, theta, m)
             gamma = jnp.asarray(gamma, dt)
             if need_sh:
                 gs, Hs = self._score_hess(theta, z, args, kwargs)
@@ -1010,8 +1010,7 @@ class SAEM:
                 theta_new = info.unconstrain_theta(info._unravel_theta_c(tc_ann))
             mst = mstep.transport(mst, theta_new - theta)
             if self._use_fisher:
-                gs_, Hs_ = gs, Hs
-                D_new = jnp.mean(Hs_ + gs_[:, :, None] * gs_[:, None, :], 0)
+                D_new = jnp.mean(Hs + gs[:, :, None] * gs[:, None, :], 0)
                 louis = (
                     state.louis[0] + gamma * (sh[0] - state.louis[0]),
                     state.louis[1] + gamma * (D_new - state.louis[1]),
@@ -1019,17 +1018,58 @@ class SAEM:
             else:
                 louis = state.louis
             ok = finite & jnp.all(jnp.isfinite(theta_new))
-            already_bad = state.bad_iter >= 0
+            already_bad = state.bad_iter != -1
             new = SAEMState(state.k + 1, z, theta_new, mst, kstate, louis, key,
                             state.bad_iter, state.bad_theta)
             keep_old = already_bad | ~ok | jnp.logical_not(active)
             out = jax.tree.map(lambda a, b: jnp.where(keep_old, a, b), state, new)
-            bad_iter = jnp.where(~already_bad & ~ok & active, state.k, state.bad_iter)
-            bad_theta = jnp.where(~already_bad & ~ok & active, theta, state.bad_theta)
-            out = out._replace(bad_iter=bad_iter, bad_theta=bad_theta, rng_key=key)
+            flag = ~already_bad & ~ok & active
+            bad_iter = jnp.where(flag, state.k, state.bad_iter)
+            bad_theta = jnp.where(flag, theta, state.bad_theta)
+            return out._replace(bad_iter=bad_iter, bad_theta=bad_theta, rng_key=key)
+
+        def after_burn_in(state: SAEMState, key, z, kstate, finite):
+            """Initialise the M-step statistics at the burnt-in ``z`` (``bad_iter = -2``
+            flags a divergence during burn-in)."""
+            mst = mstep.init(state.theta, z, args, kwargs)
+            return state._replace(
+                z=z, kstate=kstate, mstate=mst, rng_key=key,
+                bad_iter=jnp.where(finite, state.bad_iter, -2).astype(jnp.int32),
+            )
+
+        return state, estep, update, after_burn_in
+
+    def _build(self, rng_key, args, kwargs, init_params):
+        """State after burn-in and the one-iteration function ``iteration(state, gamma)``
+        (used by the benchmark; :meth:`run` compiles the whole fit as one program)."""
+        state, estep, update, after_burn_in = self._prepare(rng_key, args, kwargs, init_params)
+
+        @jax.jit
+        def burn(state):
+            key, k_e = random.split(state.rng_key)
+            z, kstate, _, finite = estep(k_e, state.z, state.kstate, state.theta,
+                                         self.schedule.num_burnin)
+            return after_burn_in(state, key, z, kstate, finite)
+
+        state = burn(state)
+        if int(state.bad_iter) == -2:
+            raise self._burnin_error(state.theta)
+        m = self.num_mcmc_steps
+
+        def iteration(state: SAEMState, gamma, active=True):
+            key, k_e = random.split(state.rng_key)
+            z, kstate, acc, finite = estep(k_e, state.z, state.kstate, state.theta, m)
+            out = update(state, key, z, kstate, finite, gamma, active)
             return out, (out.theta, acc)
 
         return state, iteration
+
+    def _burnin_error(self, theta0) -> DivergenceError:
+        return DivergenceError(
+            f"SAEM: the E-step kernel diverged during burn-in at theta_0="
+            f"{self._format_theta(theta0)} with step_size={self.step_size:.3g}; "
+            "reduce `step_size`."
+        )
 
     def _format_theta(self, theta_u) -> str:
         tc = self.info.constrain_theta(jnp.asarray(theta_u))
@@ -1049,6 +1089,10 @@ class SAEM:
     ) -> SAEMResult:
         """Fit :math:`\\theta` by MCMC-SAEM.
 
+        Burn-in, the SAEM iterations and the draws at the final :math:`\\theta` run as ONE
+        compiled :func:`jax.lax.scan` over phases (one E-step body with a traced number of
+        kernel steps serves the three), i.e. one compilation per call.
+
         :param rng_key: a JAX random key.
         :param model_args: positional arguments of the model (data).
         :param init_params: optional dict of constrained initial values of ``param`` sites
@@ -1058,67 +1102,85 @@ class SAEM:
         :param model_kwargs: keyword arguments of the model.
         :return: a :class:`SAEMResult`.
         """
-        state, iteration = self._build(rng_key, model_args, model_kwargs, init_params)
-        gammas = jnp.asarray(self.gammas, state.theta.dtype)
-        K = gammas.shape[0]
-        if progress_bar and K > 1:
+        state, estep, update, after_burn_in = self._prepare(rng_key, model_args, model_kwargs,
+                                                            init_params)
+        dt = state.theta.dtype
+        K, T, m = len(self.gammas), self.num_draws, self.num_mcmc_steps
+        # the program: one burn-in step, K iterations, T draws (phase, gamma, steps, draw index)
+        phase = np.concatenate([[self._BURN], np.full(K, self._ITER), np.full(T, self._DRAW)])
+        gam = np.concatenate([[1.0], self.gammas, np.ones(T)])
+        nst = np.concatenate([[self.schedule.num_burnin], np.full(K, m), np.ones(T)])
+        jdraw = np.concatenate([np.zeros(K + 1), np.arange(T)])
+        xs = (phase.astype(np.int32), gam, nst.astype(np.int32), jdraw.astype(np.int32))
+
+        def step(carry, x):
+            state, zbuf, dacc = carry
+            ph, gamma, n, j = x
+            key, k_e = random.split(state.rng_key)
+            # one E-step for every phase (n = 0 when padding)
+            z, kstate, acc, finite = estep(k_e, state.z, state.kstate, state.theta, n)
+
+            def b_burn(_):
+                return after_burn_in(state, key, z, kstate, finite), zbuf, dacc
+
+            def b_iter(_):
+                return update(state, key, z, kstate, finite, gamma), zbuf, dacc
+
+            def b_draw(_):
+                st = state._replace(z=z, kstate=kstate, rng_key=key)
+                return st, zbuf.at[j].set(z), dacc + acc
+
+            def b_pad(_):
+                return state, zbuf, dacc
+
+            out = lax.switch(ph, [b_burn, b_iter, b_draw, b_pad], None)
+            return out, (out[0].theta, acc)
+
+        def program(carry, xs):
+            xs = (xs[0], jnp.asarray(xs[1], dt), xs[2], xs[3])
+            return lax.scan(step, carry, xs)
+
+        carry = (state, jnp.zeros((T,) + state.z.shape, state.z.dtype), jnp.zeros((), dt))
+        total = len(phase)
+        if progress_bar and total > 1:
             from tqdm.auto import tqdm
 
-            nc = max(1, min(int(num_chunks), K))
-            L = -(-K // nc)
-            pad = nc * L - K
-            g = jnp.concatenate([gammas, jnp.full(pad, gammas[-1])]).reshape(nc, L)
-            act = jnp.concatenate([jnp.ones(K, bool), jnp.zeros(pad, bool)]).reshape(nc, L)
-
-            @jax.jit
-            def chunk(s, gs, acts):
-                return lax.scan(lambda c, x: iteration(c, x[0], x[1]), s, (gs, acts))
-
+            nc = max(1, min(int(num_chunks), total))
+            L = -(-total // nc)
+            pad = nc * L - total
+            xs = (np.concatenate([xs[0], np.full(pad, self._PAD, np.int32)]),
+                  np.concatenate([xs[1], np.ones(pad)]),
+                  np.concatenate([xs[2], np.zeros(pad, np.int32)]),
+                  np.concatenate([xs[3], np.zeros(pad, np.int32)]))
+            chunk = jax.jit(program)
             thetas, accs = [], []
-            with tqdm(total=K, desc="SAEM") as bar:
-                for j in range(nc):
-                    state, (th, ac) = chunk(state, g[j], act[j])
+            with tqdm(total=total, desc="SAEM") as bar:
+                for c in range(nc):
+                    carry, (th, ac) = chunk(carry, tuple(v[c * L:(c + 1) * L] for v in xs))
                     thetas.append(th)
                     accs.append(ac)
-                    bar.update(min(L, K - j * L))
-                    if int(state.bad_iter) >= 0:
+                    bar.update(min(L, total - c * L))
+                    if int(carry[0].bad_iter) != -1:
                         break
-            thetas = jnp.concatenate(thetas)[:K]
-            accs = jnp.concatenate(accs)[:K]
+            thetas = jnp.concatenate(thetas)
+            accs = jnp.concatenate(accs)
         else:
-            run = jax.jit(lambda s, gs: lax.scan(lambda c, x: iteration(c, x), s, gs))
-            state, (thetas, accs) = run(state, gammas)
-        if int(state.bad_iter) >= 0:
+            carry, (thetas, accs) = jax.jit(program)(carry, xs)
+        state, zs, dacc = carry
+        bad = int(state.bad_iter)
+        if bad == -2:
+            raise self._burnin_error(state.theta)
+        if bad >= 0:
             raise DivergenceError(
-                f"SAEM: the E-step became non-finite at iteration {int(state.bad_iter)} with "
+                f"SAEM: the E-step became non-finite at iteration {bad} with "
                 f"theta={self._format_theta(state.bad_theta)} and step_size="
                 f"{self.step_size:.3g}; reduce `step_size` (or use a preconditioner / MALA)."
             )
-        return self._result(state, thetas, accs, model_args, model_kwargs)
+        return SAEMResult(self, self.info, state, np.asarray(thetas[1:K + 1]),
+                          np.asarray(accs[1:K + 1]), np.asarray(zs),
+                          float(dacc) / max(T, 1), model_args, model_kwargs)
 
     fit = run
-
-    def _result(self, state, thetas, accs, args, kwargs) -> SAEMResult:
-        info = self.info
-        # latent draws at the final theta
-        key = random.fold_in(state.rng_key, 3)
-        estep = self._estep
-        theta = state.theta
-        T = self.num_draws
-
-        @jax.jit
-        def draw(key, z, ks):
-            def body(c, k):
-                z, ks = c
-                z, ks, acc, _ = estep(k, z, ks, theta, 1)
-                return (z, ks), (z, acc)
-
-            _, (zs, acc) = lax.scan(body, (z, ks), random.split(key, T))
-            return zs, acc
-
-        zs, acc_draws = draw(key, state.z, state.kstate)  # (T, C, dz)
-        return SAEMResult(self, info, state, np.asarray(thetas), np.asarray(accs),
-                          np.asarray(zs), float(jnp.mean(acc_draws)), args, kwargs)
 
 
 # ============================================================================ results
