@@ -86,6 +86,38 @@ def mcmc_runner(kernel, num_chains: int, num_samples: int, run_kwargs: dict | No
     return run
 
 
+def mcmc_loop_runner(kernel, num_chains: int, num_samples: int,
+                     model_kwargs: dict | None = None) -> Callable[[], object]:
+    """NumPyro's own sampling loop of ``MCMC.run``, compiled once.
+
+    ``MCMC.run`` recompiles this loop on every call (see the module docstring), which makes
+    its steady-state cost hard to isolate on a noisy machine. This builds the very functions
+    ``MCMC.run`` uses -- the sample and postprocess functions from ``MCMC._get_cached_fns``,
+    the collection transform ``_collect_and_postprocess`` of the default fields and
+    ``numpyro.util.fori_collect`` (its ``lax.cond``-guarded collection buffer) -- around the
+    kernel's initial state, compiles them ahead of time and returns a runner of the
+    executable: the per-step time of MCMC without its per-run compilation."""
+    from numpyro.infer import mcmc as mcmc_mod
+    from numpyro.util import fori_collect
+
+    kw = dict(model_kwargs or {})
+    mcmc = MCMC(kernel, num_warmup=0, num_samples=num_samples, num_chains=num_chains,
+                chain_method="vectorized", progress_bar=False)
+    mcmc._args, mcmc._kwargs = (), kw
+    key = random.split(random.PRNGKey(0), num_chains) if num_chains > 1 else random.PRNGKey(0)
+    state = kernel.init(key, 0, None, (), kw)
+    sample_fn, postprocess_fn = mcmc._get_cached_fns()
+    fields = tuple(dict.fromkeys((kernel.sample_field, *kernel.default_fields)))
+    transform = mcmc_mod._collect_and_postprocess(postprocess_fn, fields, ())
+
+    def loop(state):
+        return fori_collect(0, num_samples, sample_fn, (state,), transform=transform,
+                            progbar=False, return_last_val=True,
+                            collection_size=num_samples)
+
+    return compiled_scan(loop, state)
+
+
 def interleaved_min(candidates: dict[str, tuple[Callable, int]], repeats: int) -> dict:
     """Seconds per step of each candidate, minimum over ``repeats`` interleaved repeats.
 
