@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,10 +47,16 @@ def posterior_lpd(key, tau, X, y, Xte, yte, num_warmup: int, num_samples: int,
     \\beta^{(s)})`, from preconditioned MALA draws of :math:`p(\\beta_0, \\beta\\mid y;
     \\hat\\tau)` (preconditioner :math:`\\mathrm{diag}(10, \\hat\\tau^2)`, the prior covariance;
     Robbins--Monro adaptation of the log step towards acceptance ``target`` during warm-up).
-    Returns ``(lpd, acceptance rate after warm-up)``."""
-    X, y, Xte, yte = map(jnp.asarray, (X, y, Xte, yte))
-    tau = jnp.asarray(tau)
-    prior_var = jnp.concatenate([jnp.array([10.0]), tau**2])
+    Returns ``(lpd, acceptance rate after warm-up)``. One compilation serves every call with
+    the same shapes."""
+    lpd, acc = _posterior_lpd(key, jnp.asarray(tau), *map(jnp.asarray, (X, y, Xte, yte)),
+                              int(num_warmup), int(num_samples), float(target))
+    return float(lpd), float(acc)
+
+
+@partial(jax.jit, static_argnums=(6, 7, 8))
+def _posterior_lpd(key, tau, X, y, Xte, yte, num_warmup, num_samples, target):
+    prior_var = jnp.concatenate([jnp.array([10.0], X.dtype), tau**2])
     yf = y.astype(X.dtype)
 
     def logp(w):
@@ -58,40 +65,34 @@ def posterior_lpd(key, tau, X, y, Xte, yte, num_warmup: int, num_samples: int,
 
     vg = jax.value_and_grad(logp)
     p = prior_var
+    w0 = jnp.zeros(X.shape[1] + 1, X.dtype)
 
-    @jax.jit
-    def run(key):
-        w0 = jnp.zeros(X.shape[1] + 1)
+    def step(c, x):
+        w, lp, g, log_eta = c
+        k, i = x
+        eta = jnp.exp(log_eta)
+        kn, ku = random.split(k)
+        prop = w + eta * p * g + jnp.sqrt(2 * eta * p) * random.normal(kn, w.shape, w.dtype)
+        lq, gq = vg(prop)
+        fwd = jnp.sum((prop - w - eta * p * g) ** 2 / p)
+        bwd = jnp.sum((w - prop - eta * p * gq) ** 2 / p)
+        lr = lq - lp + (fwd - bwd) / (4 * eta)
+        acc = jnp.exp(jnp.minimum(jnp.where(jnp.isnan(lr), -jnp.inf, lr), 0.0))
+        ok = random.uniform(ku) < acc
+        w, lp, g = (jnp.where(ok, prop, w), jnp.where(ok, lq, lp), jnp.where(ok, gq, g))
+        adapt = i < num_warmup
+        log_eta = log_eta + jnp.where(adapt, (acc - target) / jnp.sqrt(i + 1.0), 0.0)
+        return (w, lp, g, log_eta), (w, acc)
 
-        def step(c, x):
-            w, lp, g, log_eta = c
-            k, i = x
-            eta = jnp.exp(log_eta)
-            kn, ku = random.split(k)
-            prop = w + eta * p * g + jnp.sqrt(2 * eta * p) * random.normal(kn, w.shape)
-            lq, gq = vg(prop)
-            fwd = jnp.sum((prop - w - eta * p * g) ** 2 / p)
-            bwd = jnp.sum((w - prop - eta * p * gq) ** 2 / p)
-            lr = lq - lp + (fwd - bwd) / (4 * eta)
-            acc = jnp.exp(jnp.minimum(jnp.where(jnp.isnan(lr), -jnp.inf, lr), 0.0))
-            ok = random.uniform(ku) < acc
-            w, lp, g = (jnp.where(ok, prop, w), jnp.where(ok, lq, lp), jnp.where(ok, gq, g))
-            adapt = i < num_warmup
-            log_eta = log_eta + jnp.where(adapt, (acc - target) / jnp.sqrt(i + 1.0), 0.0)
-            return (w, lp, g, log_eta), (w, acc)
-
-        lp0, g0 = vg(w0)
-        n = num_warmup + num_samples
-        _, (ws, accs) = lax.scan(step, (w0, lp0, g0, jnp.log(1e-3)),
-                                 (random.split(key, n), jnp.arange(n)))
-        ws, accs = ws[num_warmup:], accs[num_warmup:]
-        logits = ws[:, :1] + ws[:, 1:] @ Xte.T  # (S, n_test)
-        ll = yte * logits - jnp.logaddexp(0.0, logits)
-        lpd = jnp.mean(jax.nn.logsumexp(ll, axis=0) - jnp.log(ws.shape[0]))
-        return lpd, jnp.mean(accs)
-
-    lpd, acc = run(key)
-    return float(lpd), float(acc)
+    lp0, g0 = vg(w0)
+    n = num_warmup + num_samples
+    _, (ws, accs) = lax.scan(step, (w0, lp0, g0, jnp.log(jnp.asarray(1e-3, X.dtype))),
+                             (random.split(key, n), jnp.arange(n)))
+    ws, accs = ws[num_warmup:], accs[num_warmup:]
+    logits = ws[:, :1] + ws[:, 1:] @ Xte.T  # (S, n_test)
+    ll = yte * logits - jnp.logaddexp(0.0, logits)
+    lpd = jnp.mean(jax.nn.logsumexp(ll, axis=0) - jnp.log(ws.shape[0]))
+    return lpd, jnp.mean(accs)
 
 
 def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
@@ -102,9 +103,12 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
     p.add_argument("--burnin", type=int, default=100, help="burn-in MCMC steps (paper: 100)")
     p.add_argument("--warmup", type=int, default=1000, help="MALA warm-up for the LPD")
     p.add_argument("--samples", type=int, default=1000, help="MALA draws for the LPD")
+    p.add_argument("--kernels", default="ula,mala", help="E-step kernels")
     a = p.parse_args(argv)
     a.steps = [float(s) for s in a.steps.split(",")]
+    a.kernels = [k.strip().lower() for k in a.kernels.split(",") if k.strip()]
     if a.smoke:
+        a.kernels = ["mala"]
         a.splits, a.steps, a.iters, a.burnin, a.warmup, a.samples = 1, [1e-1], 10, 5, 50, 50
     t_start = time.perf_counter()
     rows = []
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
         if a.smoke:
             Xtr, ytr = Xtr[:500], ytr[:500]
         key = random.fold_in(random.key(a.seed), split)
-        for kernel in ("ula", "mala"):
+        for kernel in a.kernels:
             for eta in a.steps:
                 t0 = time.perf_counter()
                 saem = SAEM(ard_logistic, kernel=kernel, step_size=eta, fisher=False,

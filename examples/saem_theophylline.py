@@ -137,7 +137,7 @@ def part_b(a, data) -> tuple[pd.DataFrame, pd.DataFrame]:
                     th64, {k: np.asarray(test[k], np.float64) for k in _ARGS},
                     num_nodes=a.nodes)
             ref = float(ll) / len(test["dose"])
-        for kernel in ("ula", "mala"):
+        for kernel in a.kernels:
             for eta in a.steps:
                 t0 = time.perf_counter()
                 saem = SAEM(theophylline_model, kernel=kernel, step_size=eta, fisher=False,
@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
     p.add_argument("--splits", type=int, default=4, help="random 9:3 splits (paper: 32)")
     p.add_argument("--steps", default="1e-4,1e-3,1e-2,3e-2,1e-1", help="Langevin step grid")
     p.add_argument("--iters", type=int, default=1000, help="SAEM iterations (b; paper 1000)")
+    p.add_argument("--kernels", default="ula,mala", help="E-step kernels of (b)")
     p.add_argument("--burnin", type=int, default=100, help="burn-in MCMC steps (b)")
     p.add_argument("--ais-particles", type=int, default=100)
     p.add_argument("--ais-steps", type=int, default=1000)
@@ -220,7 +221,9 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
     a = p.parse_args(argv)
     a.errors = [e.strip() for e in a.errors.split(",") if e.strip()]
     a.steps = [float(s) for s in a.steps.split(",")]
+    a.kernels = [k.strip().lower() for k in a.kernels.split(",") if k.strip()]
     if a.smoke:
+        a.kernels = ["mala"]
         a.errors, a.k1, a.k2, a.chains, a.is_samples, a.nodes = ["additive"], 30, 30, 2, 500, 3
         a.exact, a.splits, a.steps, a.iters, a.burnin = False, 1, [1e-1], 30, 5
         a.ais_particles, a.ais_steps, a.reference = 8, 20, False

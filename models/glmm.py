@@ -6,6 +6,8 @@ logistic regression with automatic relevance determination (ARD) priors for ``IS
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,6 +124,20 @@ def poisson_lognormal_loglik(beta0, beta, sigma, X, y, num_nodes: int = 20,
     return jax.nn.logsumexp(f + x**2 + lw, axis=1) + jnp.log(jnp.sqrt(2.0) * scale)
 
 
+@partial(jax.jit, static_argnums=3)
+def _poisson_lognormal_nll_vg(p, X, y, num_nodes):
+    """Value and gradient of the exact negative log-likelihood in :math:`(\\beta_0, \\beta,
+    \\log\\sigma)`; the data are arguments, so one compilation serves every data set of the
+    same shape."""
+    d = X.shape[1]
+
+    def nll(p):
+        return -jnp.sum(poisson_lognormal_loglik(p[0], p[1:d + 1], jnp.exp(p[d + 1]), X, y,
+                                                 num_nodes))
+
+    return jax.value_and_grad(nll)(p)
+
+
 def poisson_lognormal_exact_fit(X, y, num_nodes: int = 20) -> dict:
     """Maximum of the exact (quadrature) marginal likelihood of :func:`poisson_lognormal` with
     ``scipy.optimize`` (BFGS on :math:`(\\beta_0, \\beta, \\log\\sigma)`, JAX gradients, float64),
@@ -134,18 +150,12 @@ def poisson_lognormal_exact_fit(X, y, num_nodes: int = 20) -> dict:
     d = X.shape[1]
     with jax.enable_x64(True):
         X64, y64 = jnp.asarray(X, jnp.float64), jnp.asarray(y, jnp.float64)
-
-        def nll(p):
-            return -jnp.sum(poisson_lognormal_loglik(p[0], p[1:d + 1], jnp.exp(p[d + 1]), X64,
-                                                     y64, num_nodes))
-
-        f = jax.jit(jax.value_and_grad(nll))
         x0 = np.zeros(d + 2)
         x0[0] = np.log(np.mean(y))
         x0[d + 1] = np.log(0.3)
 
         def obj(p):
-            v, g = f(jnp.asarray(p))
+            v, g = _poisson_lognormal_nll_vg(jnp.asarray(p), X64, y64, num_nodes)
             return float(v), np.asarray(g, np.float64)
 
         res = minimize(obj, x0, jac=True, method="BFGS", options={"gtol": 1e-6, "maxiter": 1000})

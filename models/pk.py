@@ -195,40 +195,51 @@ def theophylline_exact_loglik(theta: dict, data: dict, *, error: str = "additive
     time = jnp.asarray(data["time"], mu.dtype)
     conc = jnp.asarray(data["conc"], mu.dtype)
 
-    def g(phi, d, t, y):
+    err = {k: theta[k] for k in _err_names(error)}
+
+    def g(phi, d, t, y, mu, om, err):
         f = theophylline_prediction(phi, d, t)
         # |f| floored at 1e-8 (mg/L) in the residual scale: at far quadrature nodes f can
         # underflow to 0, and b*0 would give -inf - (-inf) = nan in the log density
         af = jnp.maximum(jnp.abs(f), 1e-8)
         if error == "additive":
-            s = theta["sigma"]
+            s = err["sigma"]
         elif error == "proportional":
-            s = theta["b"] * af
+            s = err["b"] * af
         else:
-            s = theta["a"] + theta["b"] * af
+            s = err["a"] + err["b"] * af
         s = jnp.broadcast_to(s, y.shape)
         ll = jnp.sum(-0.5 * ((y - f) / s) ** 2 - jnp.log(s) - 0.5 * jnp.log(2 * jnp.pi))
         lp = jnp.sum(-0.5 * ((phi - mu) / om) ** 2 - jnp.log(om) - 0.5 * jnp.log(2 * jnp.pi))
         return ll + lp
 
     cand = jnp.array([1.0, 0.5, 0.25, 0.1, 0.03, 0.01, 0.003, 0.0])
+    hyper = (mu, om, err)
 
     def subject(d, t, y):
-        fn = lambda p: g(p, d, t, y)
+        fn = lambda p: g(p, d, t, y, *hyper)
+        # the Newton search runs on constants (no derivative flows through its 40 steps)
+        fn_c = lambda p: g(p, d, t, y, *jax.lax.stop_gradient(hyper))
 
         def newton(p, _):
-            gr = jax.grad(fn)(p)
-            H = -jax.hessian(fn)(p)
+            gr = jax.grad(fn_c)(p)
+            H = -jax.hessian(fn_c)(p)
             lam, V = jnp.linalg.eigh((H + H.T) / 2)
             # saddle-free Newton: |eigenvalues| (a non-concave direction, e.g. of the
             # proportional-error model at mu, must not get a huge step), floored
             lam = jnp.maximum(jnp.abs(lam), 1e-6 + 1e-3 * jnp.max(jnp.abs(lam)))
             step = V @ ((V.T @ gr) / lam)
-            vals = jax.vmap(lambda c: fn(p + c * step))(cand)
+            vals = jax.vmap(lambda c: fn_c(p + c * step))(cand)
             vals = jnp.where(jnp.isfinite(vals), vals, -jnp.inf)
             return p + cand[jnp.argmax(vals)] * step, None
 
-        mode, _ = jax.lax.scan(newton, mu, None, length=newton_iters)
+        m0, _ = jax.lax.scan(newton, jax.lax.stop_gradient(mu), None, length=newton_iters)
+        # one differentiable Newton step at the (converged) mode: its value is the mode, its
+        # derivative the implicit-function one, d mode / d theta = -(d2 f)^-1 d2f/dphi dtheta
+        # (the adaptive nodes follow theta exactly as if Newton were differentiated)
+        # (the curvature is a constant there: the gradient vanishes at the mode)
+        H0 = -jax.hessian(fn_c)(m0)
+        mode = m0 + jnp.linalg.solve((H0 + H0.T) / 2, jax.grad(fn)(m0))
         H = -jax.hessian(fn)(mode)
         L = jnp.linalg.cholesky(jnp.linalg.inv((H + H.T) / 2))
         nodes = mode + jnp.sqrt(2.0) * grid @ L.T

@@ -391,12 +391,20 @@ def _detect_gaussian(info: _Model, args, kwargs, key) -> tuple[_GaussianSpec | N
         out = parts(tcf, zf)
         return {n: (out[n][0][0].reshape(-1), out[n][0][1].reshape(-1)) for n in normal_sites}
 
-    # one compiled evaluation of values and Jacobians at every probe point
-    vals_fn = jax.jit(jax.vmap(jax.vmap(loc_scale, (None, 0)), (0, None)))
-    jac_fn = jax.jit(jax.vmap(jax.vmap(jax.jacfwd(loc_scale), (None, 0)), (0, None)))
+    def site_log_probs(tcf, zf):
+        zc, _ = info.constrain_z(zf)
+        lps, _ = compute_log_probs(info.model, args, kwargs, {**unravel_c(tcf), **zc},
+                                   sum_log_prob=True)
+        return lps
+
+    def probe(P, Z):
+        jac_val = jax.jacfwd(lambda t, z: (loc_scale(t, z),) * 2, has_aux=True)
+        jacs, vals = jax.vmap(jax.vmap(jac_val, (None, 0)), (0, None))(P, Z)
+        return vals, jacs, jax.vmap(site_log_probs, (0, None))(P, Z[0])
+
+    # ONE compiled evaluation of values, Jacobians and per-site log densities at the probes
     P, Z = jnp.stack(probes_c), jnp.stack(zs)
-    vals = jax.tree.map(np.asarray, vals_fn(P, Z))
-    jacs = jax.tree.map(np.asarray, jac_fn(P, Z))
+    vals, jacs, site_lps = jax.tree.map(np.asarray, jax.jit(probe)(P, Z))
     pz = [(i, j) for i in range(len(probes_c)) for j in range(len(zs))]
 
     lat_blocks, obs_blocks = [], []
@@ -471,13 +479,8 @@ def _detect_gaussian(info: _Model, args, kwargs, key) -> tuple[_GaussianSpec | N
     # the rest of the log density must not depend on theta
     rest_names = tuple(b[0] for b in lat_blocks) + tuple(b[0] for b in obs_blocks)
 
-    def rest(tcf, zf):
-        zc, _ = info.constrain_z(zf)
-        tcd = unravel_c(tcf)
-        lps, tr = compute_log_probs(info.model, args, kwargs, {**tcd, **zc}, sum_log_prob=True)
-        return sum(v for k, v in lps.items() if k not in rest_names)
-
-    r0 = [float(v) for v in jax.jit(jax.vmap(rest, (0, None)))(P, zs[0])]
+    r0 = [float(sum(np.float64(v[i]) for k, v in site_lps.items() if k not in rest_names))
+          for i in range(len(probes_c))]
     if not _allclose(np.array(r0), np.full(3, r0[0]), rtol=1e-5, atol_scale=1e-5):
         return None, "other sites of the model depend on the parameters"
     loc_idx = np.nonzero(np.isin(names_of_coord, sorted(loc_params)))[0]
