@@ -76,7 +76,8 @@ def headline(name: str, md: str) -> str:
                 f"median {sorted(_num(r[7]) for r in rows)[len(rows) // 2]:.2f}")
     if name == "peer":
         rows = {r[0]: r for r in _table(md)}
-        return f"ours (MCMC) / BlackJAX sgld = {_num(rows['ours (MCMC)'][2]):.2f}"
+        return (f"ours (MCMC loop) / BlackJAX sgld = {_num(rows['ours (MCMC loop)'][2]):.2f}, "
+                f"ours (MCMC.run) / BlackJAX sgld = {_num(rows['ours (MCMC.run)'][2]):.2f}")
     if name == "scaling":
         rows = _table(md, "### Time per step")
         ex = "; ".join(f"{r[0]} {r[1]}: {_num(r[5]):.2f}" for r in rows)
