@@ -4,6 +4,7 @@ sampling of a NumPyro model's marginal likelihood, and writing tables/figures.""
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -106,6 +107,7 @@ def fit_or_none(saem, key, *args, **kwargs):
 
 
 # ----------------------------------------------------------------------------- AIS
+@functools.lru_cache(maxsize=16)
 def make_ais(model: Callable, *, num_particles: int = 100, num_steps: int = 1000,
              step_size: float = 1e-3, num_mh: int = 1):
     """Compiled per-group log marginal likelihood of a NumPyro model by annealed importance
@@ -117,7 +119,8 @@ def make_ais(model: Callable, *, num_particles: int = 100, num_steps: int = 1000
     leading axis of ``G`` independent groups (subjects); the model is called on one group at a
     time (``arg[g]``) with the ``param`` sites fixed to ``theta`` (constrained dict). Latent
     sites must be real-valued (they are annealed in their own space). One compilation serves
-    every ``theta`` and every set of groups with the same shapes.
+    every ``theta`` and every set of groups with the same shapes; the compiled function is
+    cached per model and settings (calls with the same settings share it).
     """
 
     def one_group(key, theta, gargs):
