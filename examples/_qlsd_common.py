@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import time
@@ -13,28 +12,11 @@ import matplotlib
 matplotlib.use("Agg")
 import numpy as np
 import pandas as pd
+from _common import RESULTS, out_dir, parser  # noqa: F401  (re-exported)
 from jax import random
 from numpyro.infer import MCMC
 
 from numpyro_fed.bits import counter_value
-
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def parser(name: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=name, description=description)
-    p.add_argument("--out", default=None, help=f"output folder (default out/{name})")
-    p.add_argument("--smoke", action="store_true", help="tiny settings (a few seconds)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-results-copy", action="store_true",
-                   help="do not copy the markdown table to examples/results/")
-    return p
-
-
-def out_dir(args, name: str) -> Path:
-    path = Path(args.out) if args.out else Path("out") / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def run_chains(kernel, num_steps: int, num_chains: int, seed: int, num_warmup: int = 0,

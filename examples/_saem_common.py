@@ -3,7 +3,6 @@ sampling of a NumPyro model's marginal likelihood, and writing tables/figures.""
 
 from __future__ import annotations
 
-import argparse
 import functools
 import shutil
 from collections.abc import Callable
@@ -16,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pandas as pd
+from _common import RESULTS, out_dir, parser  # noqa: F401  (re-exported)
 from jax import random
 from jax.flatten_util import ravel_pytree
 from numpyro.handlers import seed, substitute, trace
@@ -23,25 +23,6 @@ from numpyro.infer.util import compute_log_probs
 
 from numpyro_fed.kernels.base import DivergenceError
 from numpyro_fed.saem import annealed_importance_sampling
-
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def parser(name: str, description: str) -> argparse.ArgumentParser:
-    """Common flags: ``--out``, ``--smoke``, ``--seed``, ``--no-results-copy``."""
-    p = argparse.ArgumentParser(prog=name, description=description)
-    p.add_argument("--out", default=None, help=f"output folder (default out/{name})")
-    p.add_argument("--smoke", action="store_true", help="tiny settings (a few seconds)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-results-copy", action="store_true",
-                   help="do not copy the markdown table to examples/results/")
-    return p
-
-
-def out_dir(args, name: str) -> Path:
-    path = Path(args.out) if args.out else Path("out") / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def markdown_table(df: pd.DataFrame, floatfmt: str = "{:.4g}") -> str:

@@ -19,6 +19,7 @@ All three run inside :class:`numpyro.infer.MCMC`, including
 from __future__ import annotations
 
 import copy
+from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -635,9 +636,9 @@ class FederatedKernel(MCMCKernel):
         """
         return (), 0, self.broadcast_bits(data)
 
+    @abstractmethod
     def step(self, key, noise_key, i, x, extra, data):
         """One iteration from flat ``x``; returns ``(x_new, extra, bits_up, bits_down)``."""
-        raise NotImplementedError  # pragma: no cover - abstract
 
     # -- helpers shared by subclasses ----------------------------------------------------
     def broadcast_bits(self, data: ClientPartition) -> int:
