@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import numpy as np
 import pandas as pd
-from _common import RESULTS, out_dir, parser  # noqa: F401  (re-exported)
+from _example_common import RESULTS, out_dir, parser  # noqa: F401  (re-exported)
 from jax import random
 from numpyro.infer import MCMC
 

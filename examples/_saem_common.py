@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pandas as pd
-from _common import RESULTS, out_dir, parser  # noqa: F401  (re-exported)
+from _example_common import RESULTS, out_dir, parser  # noqa: F401  (re-exported)
 from jax import random
 from jax.flatten_util import ravel_pytree
 from numpyro.handlers import seed, substitute, trace
