@@ -697,6 +697,18 @@ class SAEM:
         M-step; every positive parameter for the other M-steps).
     :param subject_plate: name of the plate indexing independent subjects (importance-sampling
         likelihood is then computed per subject); auto-detected when ``None``.
+    :param mh_blocks: MALA's accept/reject test: ``"joint"`` (one test for the whole latent
+        vector of a chain, the paper's MALA), ``"subject"`` (one test per subject: valid because
+        :math:`p(z\\mid y;\\theta) = \\prod_i p(z_i\\mid y_i;\\theta)` over the subject plate,
+        as in saemix's per-subject Metropolis steps; with many subjects a joint test rejects
+        almost every proposal and a chain can freeze far in the tail) or ``"auto"``
+        (``"subject"`` when the model has a subject plate, else ``"joint"``).
+    :param prior_proposals: independence Metropolis--Hastings steps with the prior
+        :math:`p(z\\mid\\theta)` as proposal before the Langevin steps of every E-step
+        (saemix's kernel 1; accepted per subject as with ``mh_blocks``). They let chains jump
+        between separated modes of :math:`p(z_i\\mid y_i;\\theta)` (nonlinear mixed-effects
+        models have them), which Langevin steps cross only rarely. Default 0: the paper's
+        E-step.
     :param newton_damping: damping :math:`\\delta` of the Newton M-step.
     :param newton_max_step: per-coordinate clip of a Newton step (unconstrained units).
     :param num_draws: draws per chain of :math:`z` kept at the final :math:`\\theta`.
@@ -719,6 +731,8 @@ class SAEM:
         fisher: bool | None = None,
         annealed: Sequence[str] | None = None,
         subject_plate: str | None = None,
+        mh_blocks: str = "auto",
+        prior_proposals: int = 0,
         newton_damping: float = 1.0,
         newton_max_step: float = 1.0,
         num_draws: int = 200,
@@ -758,6 +772,17 @@ class SAEM:
         self.fisher = fisher
         self.annealed = annealed
         self.subject_plate = subject_plate
+        if mh_blocks not in ("auto", "subject", "joint"):
+            raise ValueError(f"mh_blocks={mh_blocks!r}: use 'auto', 'subject' or 'joint'.")
+        self.mh_blocks = mh_blocks
+        if isinstance(prior_proposals, bool) or not isinstance(prior_proposals, int) \
+                or prior_proposals < 0:
+            raise ValueError(
+                f"`prior_proposals` must be a non-negative int, got {prior_proposals!r}."
+            )
+        if prior_proposals and not isinstance(kernel, str):
+            raise ValueError("`prior_proposals` applies to the built-in 'ula'/'mala' E-steps.")
+        self.prior_proposals = prior_proposals
         self.newton_damping = newton_damping
         self.newton_max_step = newton_max_step
 
@@ -765,6 +790,15 @@ class SAEM:
     def _setup(self, rng_key, args, kwargs, init_params):
         info = _Model(self.model, args, kwargs, rng_key)
         self.info = info
+        self._layout = None
+        uses_blocks = self.kernel == "mala" or (self.kernel == "ula" and self.prior_proposals)
+        if self.mh_blocks != "joint" and uses_blocks:
+            self._layout = _subject_layout(info, self.subject_plate, args, kwargs)
+            if self._layout is None and self.mh_blocks == "subject":
+                raise ValueError(
+                    "mh_blocks='subject': the model has no plate containing every sample site "
+                    "(with the subject axis in every log-density); use mh_blocks='joint'."
+                )
         # M-step
         reason = ""
         if isinstance(self.mstep_spec, SufficientStatistics):
@@ -845,11 +879,58 @@ class SAEM:
         eta = self.step_size
         if isinstance(self.kernel, str):
             mala = self.kernel == "mala"
+            layout = self._layout
+            n_prior = self.prior_proposals
+            model = self.model
+
+            def U(th, zf):
+                return -_log_joint_per_subject(info, layout, info.constrain_theta(th), zf, args,
+                                               kwargs)
+
+            def loglik(th_c, zf):
+                return _log_joint_per_subject(info, layout, th_c, zf, args, kwargs, True)
+
+            if layout is None:
+                n_blk, ids = 1, jnp.zeros(info.dim_z, jnp.int32)
+            else:
+                n_blk, ids = layout.n, jnp.asarray(layout.block_ids)
+
+            def prior_mh(key, z, theta_u):
+                """Independence Metropolis--Hastings with the prior :math:`p(z\\mid\\theta)` as
+                proposal (saemix's kernel 1): acceptance ratio = likelihood ratio, per block."""
+                th_c = info.constrain_theta(theta_u)
+
+                def draw(k):
+                    tr = trace(seed(substitute(model, data=th_c), k)).get_trace(*args, **kwargs)
+                    return info.unconstrain_z({nm: tr[nm]["value"] for nm in info.latent_names})
+
+                def one(zz, k):
+                    kd, ku = random.split(k)
+                    y = draw(kd)
+                    lr = loglik(th_c, y) - loglik(th_c, zz)
+                    lr = jnp.where(jnp.isnan(lr), -jnp.inf, lr)
+                    ok = jnp.log(random.uniform(ku, lr.shape, lr.dtype)) < lr
+                    return jnp.where(ok[ids], y, zz)
+
+                def body(i, zz):
+                    ks = random.split(random.fold_in(key, i), zz.shape[0])
+                    return jax.vmap(one)(zz, ks)
+
+                return lax.fori_loop(0, n_prior, body, z)
+
+            def blocks(v):  # per-block sums of a (C, d_z) array -> (C, n_blk)
+                return jax.vmap(lambda r: jax.ops.segment_sum(r, ids, num_segments=n_blk))(v)
 
             def estep(key, z, kstate, theta_u, n):
-                U = lambda zf: -info.log_joint(theta_u, zf, args, kwargs)
-                vg = jax.vmap(jax.value_and_grad(U))
+                def vg_one(zf):
+                    u_b, vjp = jax.vjp(lambda q: U(theta_u, q), zf)
+                    return u_b, vjp(jnp.ones_like(u_b))[0]
+
+                vg = jax.vmap(vg_one)
                 p = jnp.ones(info.dim_z, z.dtype) if P is None else P(theta_u).astype(z.dtype)
+                if n_prior:
+                    key, k_pr = random.split(key)
+                    z = prior_mh(k_pr, z, theta_u)
                 u, g = vg(z)
 
                 def body(i, carry):
@@ -859,19 +940,20 @@ class SAEM:
                     y = z - eta * p * g + jnp.sqrt(2.0 * eta * p) * xi
                     uy, gy = vg(y)
                     if mala:
+                        # MH test per block: the whole vector (the paper's MALA) or, when
+                        # p(z | y; theta) factorises over subjects, each subject separately
                         fwd = y - z + eta * p * g
                         bwd = z - y + eta * p * gy
-                        lr = u - uy + (jnp.sum(fwd**2 / p, -1) - jnp.sum(bwd**2 / p, -1)) / (
-                            4.0 * eta
-                        )
+                        lr = u - uy + (blocks(fwd**2 / p) - blocks(bwd**2 / p)) / (4.0 * eta)
                         lr = jnp.where(jnp.isnan(lr), -jnp.inf, lr)
                         acc = jnp.exp(jnp.minimum(lr, 0.0))
                         ok = random.uniform(ka, acc.shape) < acc
-                        y = jnp.where(ok[:, None], y, z)
+                        ok_z = ok[:, ids]
+                        y = jnp.where(ok_z, y, z)
                         uy = jnp.where(ok, uy, u)
-                        gy = jnp.where(ok[:, None], gy, g)
+                        gy = jnp.where(ok_z, gy, g)
                     else:
-                        acc = jnp.ones(z.shape[0], z.dtype)
+                        acc = jnp.ones(u.shape, z.dtype)
                     return y, uy, gy, acc_sum + jnp.mean(acc)
 
                 # `n` may be traced (one compiled E-step serves burn-in, iterations and draws)
@@ -1209,12 +1291,83 @@ def _subject_plate(info: _Model, name: str | None):
 
 def _per_subject(arr, dim, event_dim, n):
     """Sum an array over everything except the subject axis (``dim`` counts from the right of
-    the batch shape)."""
+    the batch shape); ``None`` when the array does not carry that axis."""
     arr = jnp.asarray(arr)
     axis = arr.ndim - event_dim + dim
     if axis < 0 or arr.shape[axis] != n:
-        return jnp.broadcast_to(jnp.sum(arr) / n, (n,))
+        return None
     return jnp.sum(jnp.moveaxis(arr, axis, 0).reshape(n, -1), axis=1)
+
+
+class _SubjectLayout(NamedTuple):
+    """Where the subjects are: the plate shared by every sample site, its size, each site's
+    ``(plate dim, event dim)``, and the subject of every flat unconstrained latent coordinate.
+    Given :math:`\\theta`, :math:`p(y, z\\mid\\theta) = \\prod_i p(y_i, z_i\\mid\\theta)`."""
+
+    plate: str
+    n: int
+    dims: dict
+    block_ids: np.ndarray
+
+
+def _subject_layout(info: _Model, name: str | None, args, kwargs) -> _SubjectLayout | None:
+    """The model's subject layout, or ``None`` (no plate shared by every sample site, a latent
+    transform that changes shapes, or a site whose log-density lacks the subject axis)."""
+    plate, n = _subject_plate(info, name)
+    if plate is None or any(
+        info.z_shapes[nm] != info.z_u_shapes[nm] for nm in info.latent_names
+    ):
+        return None
+    dims = {}
+    for nm in info.latent_names + info.observed_names:
+        s = info.trace0[nm]
+        fr = {f.name: f for f in s["cond_indep_stack"]}
+        dims[nm] = (fr[plate].dim, s["fn"].event_dim)
+    lps, _ = compute_log_probs(
+        info.model, args, kwargs,
+        {**info.theta0_c, **{nm: info.trace0[nm]["value"] for nm in info.latent_names}},
+        sum_log_prob=False,
+    )
+    if any(_per_subject(lps[nm], dims[nm][0], 0, n) is None for nm in lps if nm in dims):
+        return None
+    ids = {}
+    for nm in info.latent_names:
+        dim, ev = dims[nm]
+        shape = info.z_u_shapes[nm]
+        axis = len(shape) - ev + dim
+        if axis < 0 or shape[axis] != n:
+            return None
+        view = [1] * len(shape)
+        view[axis] = n
+        ids[nm] = np.broadcast_to(np.arange(n).reshape(view), shape)
+    block_ids = np.asarray(ravel_pytree({k: jnp.asarray(v) for k, v in ids.items()})[0])
+    return _SubjectLayout(plate, n, dims, block_ids.astype(np.int32))
+
+
+def _log_joint_per_subject(info: _Model, layout: _SubjectLayout | None, theta_c, z_u_flat,
+                           args, kwargs, observed_only: bool = False):
+    """:math:`\\log p(y_i, z_i\\mid\\theta) + \\log|J(z_i)|` for every subject ``i``
+    (flat unconstrained ``z``), shape ``(n,)``; sums to :meth:`_Model.log_joint`. With
+    ``observed_only``: :math:`\\log p(y_i\\mid z_i, \\theta)`. Without a layout: shape
+    ``(1,)``, the whole model."""
+    zu_d = info._unravel_z(z_u_flat)
+    zc = {nm: info.latent_transforms[nm](v) for nm, v in zu_d.items()}
+    lps, _ = compute_log_probs(info.model, args, kwargs, {**theta_c, **zc}, sum_log_prob=False)
+    names = info.observed_names if observed_only else info.latent_names + info.observed_names
+    if layout is None:
+        out = sum(jnp.sum(lps[nm]) for nm in names)
+        if not observed_only:
+            out = out + info.constrain_z(z_u_flat)[1]
+        return jnp.reshape(out, (1,)).astype(z_u_flat.dtype)
+    out = jnp.zeros(layout.n, z_u_flat.dtype)
+    for nm in names:
+        dim, ev = layout.dims[nm]
+        out = out + _per_subject(lps[nm], dim, 0, layout.n)
+        if nm in zu_d:
+            lj = info.latent_transforms[nm].log_abs_det_jacobian(zu_d[nm], zc[nm])
+            lj = jnp.broadcast_to(lj, zu_d[nm].shape)
+            out = out + _per_subject(lj, dim, ev, layout.n)
+    return out
 
 
 def _student_t(key, df: float, shape, dtype):
@@ -1347,43 +1500,23 @@ class SAEMResult:
         """
         info = self._info
         key = random.key(0) if rng_key is None else rng_key
-        plate, n = _subject_plate(info, self._saem.subject_plate)
+        args, kwargs = self._args, self._kwargs
+        layout = _subject_layout(info, self._saem.subject_plate, args, kwargs)
+        n = layout.n if layout is not None else 1
         flat = jnp.asarray(self._z).reshape(-1, info.dim_z)
         mu = jnp.mean(flat, 0)
         sd = jnp.maximum(jnp.std(flat, 0), 1e-6)
         theta_c = info.constrain_theta(jnp.asarray(self.theta))
-        args, kwargs = self._args, self._kwargs
-        dims = {}
-        for name in info.latent_names + info.observed_names:
-            s = info.trace0[name]
-            fr = {f.name: f for f in s["cond_indep_stack"]}
-            dims[name] = (fr[plate].dim if plate else 0, s["fn"].event_dim)
-        if any(info.z_shapes[nm] != info.z_u_shapes[nm] for nm in info.latent_names):
-            plate, n = None, 1
+        ids = None if layout is None else jnp.asarray(layout.block_ids)
 
         def logw(x):
             zu = mu + sd * x
-            zu_d = info._unravel_z(zu)
-            zc = {nm: info.latent_transforms[nm](v) for nm, v in zu_d.items()}
-            lps, _ = compute_log_probs(info.model, args, kwargs, {**theta_c, **zc},
-                                       sum_log_prob=False)
             lq = jax.scipy.stats.t.logpdf(x, df) - jnp.log(sd)
-            lq_d = info._unravel_z(lq)
-            out = jnp.zeros(n)
-            for nm in info.latent_names + info.observed_names:
-                dim, ev = dims[nm]
-                lp = lps[nm]
-                if nm in info.latent_names:
-                    lj = info.latent_transforms[nm].log_abs_det_jacobian(zu_d[nm], zc[nm])
-                    lp_full = jnp.broadcast_to(lp, jnp.shape(lp))
-                    if plate:
-                        out = out + _per_subject(lp_full, dim, 0, n)
-                        out = out + _per_subject(lj - lq_d[nm], dim, ev, n)
-                    else:
-                        out = out + jnp.sum(lp_full) + jnp.sum(lj) - jnp.sum(lq_d[nm])
-                else:
-                    out = out + (_per_subject(lp, dim, 0, n) if plate else jnp.sum(lp))
-            return out
+            if layout is None:
+                zc, logj = info.constrain_z(zu)
+                return (info.log_joint_c(theta_c, zc, args, kwargs) + logj - jnp.sum(lq))[None]
+            lp = _log_joint_per_subject(info, layout, theta_c, zu, args, kwargs)
+            return lp - jax.ops.segment_sum(lq, ids, num_segments=n)
 
         nb = max(1, -(-int(num_samples) // int(batch_size)))
 
@@ -1405,7 +1538,7 @@ class SAEMResult:
         var_i = w.var(0) / (w.shape[0] * mean_w**2)
         ll = float(ll_i.sum())
         p = self.num_params
-        nb_ = n if plate else info.n_obs
+        nb_ = n if layout is not None else info.n_obs
         out = {
             "loglik": ll, "m2ll": -2 * ll, "m2ll_se": float(2 * np.sqrt(var_i.sum())),
             "aic": -2 * ll + 2 * p, "bic": -2 * ll + math.log(nb_) * p,
