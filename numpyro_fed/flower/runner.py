@@ -6,23 +6,47 @@ processes on loopback (SuperLink + SuperNodes + ``flwr run``), and its Inference
 serialisation (so only what Flower can put on the wire reaches the other side, and its size
 is measured), with per-node ``Context`` persistence and fault injection (a client that does
 not answer, answers too late, crashes, or sends a corrupted or oversized message).
+
+:func:`run_processes` runs the same deployment as real processes on ``127.0.0.1``: a
+``flower-superlink``, one ``flower-supernode`` per client (each reading only its own
+``.npz``), an app directory written by :func:`write_app`, and ``flwr run``; optionally over
+TLS with a throwaway CA (:func:`make_tls_files`).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
-from flwr.serverapp import Grid
+from flwr.serverapp import Grid, ServerApp
 
 from numpyro_fed.flower.apps import make_client_app, serve
 from numpyro_fed.flower.protocol import FlowerSpec, ServerCoordinator
 
-__all__ = ["LoopbackGrid", "run_loopback", "to_inference_data", "FAULTS"]
+__all__ = [
+    "LoopbackGrid",
+    "run_loopback",
+    "to_inference_data",
+    "FAULTS",
+    "PollingGrid",
+    "make_polling_server_app",
+    "write_app",
+    "make_tls_files",
+    "run_processes",
+    "flower_executables",
+]
 
 #: Faults understood by :class:`LoopbackGrid` (``faults(node_id, group_id) -> name | None``).
 FAULTS = ("drop", "timeout", "crash", "corrupt", "oversize")
@@ -185,3 +209,386 @@ def to_inference_data(coord: ServerCoordinator):
         "num_clients": coord.spec.num_clients, "rejected": list(lg.rejected),
     })
     return idata
+
+
+# ====================================================================== real processes
+class PollingGrid(Grid):
+    """A ``Grid`` that delegates to ``grid`` but polls for replies every ``interval`` seconds.
+
+    Flower's deployment ``Grid`` waits 3 s between two pulls in ``send_and_receive`` (flwr
+    1.41), which is a 3 s floor per round; a sampler's rounds are milliseconds of work.
+
+    :param grid: the ``Grid`` a ``ServerApp`` receives.
+    :param interval: seconds between two pulls.
+    """
+
+    def __init__(self, grid: Grid, interval: float = 0.05) -> None:
+        if not interval > 0:
+            raise ValueError(f"`interval` must be > 0 seconds, got {interval!r}.")
+        self.grid = grid
+        self.interval = float(interval)
+
+    def set_run(self, run: Any) -> None:
+        self.grid.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self.grid.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        pending = set(self.grid.push_messages(list(messages)))
+        end = None if timeout is None else time.monotonic() + timeout
+        replies: list[Message] = []
+        while pending:
+            got = list(self.grid.pull_messages(pending))
+            replies.extend(got)
+            pending.difference_update(m.metadata.reply_to_message_id for m in got)
+            if not pending or (end is not None and time.monotonic() >= end):
+                break
+            time.sleep(self.interval)
+        return replies
+
+
+def make_polling_server_app(spec: FlowerSpec | None = None, *, output: str | None = None,
+                            poll_interval: float = 0.05, **kwargs: Any) -> ServerApp:
+    """:func:`~numpyro_fed.flower.apps.make_server_app` over a :class:`PollingGrid`.
+
+    :param spec: the run's spec; default: read from the run config.
+    :param output: NetCDF path of the InferenceData; default: the run config's ``output``.
+    :param poll_interval: seconds between two pulls of the clients' replies.
+    :param kwargs: options of :class:`~numpyro_fed.flower.protocol.ServerCoordinator`.
+    """
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        s = spec or FlowerSpec.from_config(context.run_config)
+        coord = serve(PollingGrid(grid, poll_interval), s, **kwargs)
+        path = output or context.run_config.get("output")
+        if path:
+            to_inference_data(coord).to_netcdf(str(path))
+
+    return app
+
+
+_SERVER_APP = """\
+from numpyro_fed.flower.runner import make_polling_server_app
+
+app = make_polling_server_app(poll_interval={poll})
+"""
+_CLIENT_APP = """\
+from numpyro_fed.flower import make_client_app
+
+app = make_client_app()  # node_config: partition-id, data-path (the client's own .npz)
+"""
+
+
+def write_app(app_dir: str | os.PathLike, spec: FlowerSpec, output: str | os.PathLike, *,
+              poll_interval: float = 0.05, name: str = "numpyro-fed-app") -> Path:
+    """Write a Flower app directory for ``flwr run``.
+
+    ``pyproject.toml`` (``[tool.flwr.app.components]`` naming ``server_app:app`` and
+    ``client_app:app``; ``[tool.flwr.app.config]`` = the keys of ``spec`` plus
+    ``output``), ``server_app.py`` (:func:`make_polling_server_app`) and ``client_app.py``
+    (:func:`~numpyro_fed.flower.apps.make_client_app`, reading ``partition-id`` and
+    ``data-path`` from the SuperNode's ``--node-config``). The code of ``numpyro_fed`` and
+    of the model must be importable where the apps run (the app declares no dependency).
+
+    :return: the app directory.
+    """
+    import tomli_w
+
+    app = Path(app_dir)
+    app.mkdir(parents=True, exist_ok=True)
+    config = dict(spec.to_config())
+    config["output"] = str(Path(output).resolve())
+    pyproject = {
+        "build-system": {"requires": ["hatchling"], "build-backend": "hatchling.build"},
+        "project": {"name": name, "version": "1.0.0", "license": "Apache-2.0",
+                    "description": "numpyro_fed federated sampler", "dependencies": []},
+        "tool": {"flwr": {"app": {
+            "publisher": "numpyro-fed",
+            "components": {"serverapp": "server_app:app", "clientapp": "client_app:app"},
+            "config": config,
+        }}},
+    }
+    (app / "pyproject.toml").write_text(tomli_w.dumps(pyproject))
+    (app / "server_app.py").write_text(_SERVER_APP.format(poll=float(poll_interval)))
+    (app / "client_app.py").write_text(_CLIENT_APP)
+    return app
+
+
+def make_tls_files(directory: str | os.PathLike,
+                   hosts: Sequence[str] = ("127.0.0.1", "localhost")) -> dict[str, Path]:
+    """A throwaway CA and a server certificate for ``hosts`` (PEM; EC P-256, 1 day).
+
+    For tests and local trials only: in a real deployment use your organisation's PKI.
+
+    :return: ``{"ca": ca.crt, "cert": server.pem, "key": server.key}`` paths.
+    """
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "numpyro_fed test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(start).not_valid_after(end)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    sans: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            sans.append(x509.DNSName(h))
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+            .issuer_name(ca_name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(start)
+            .not_valid_after(end)
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .sign(ca_key, hashes.SHA256()))
+    paths = {"ca": out / "ca.crt", "cert": out / "server.pem", "key": out / "server.key"}
+    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths["key"].write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    return paths
+
+
+_EXECUTABLES = ("flower-superlink", "flower-supernode", "flwr", "flwr-clientapp",
+                "flwr-serverapp", "flower-superexec")
+
+
+def flower_executables() -> dict[str, str] | None:
+    """Paths of Flower's executables (next to this Python first, then on ``PATH``); ``None``
+    if one is missing."""
+    found = {}
+    here = os.path.dirname(sys.executable)
+    for name in _EXECUTABLES:
+        path = shutil.which(name, path=here) or shutil.which(name)
+        if path is None:
+            return None
+        found[name] = path
+    return found
+
+
+def _free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is alive (zombies excluded; Linux ``/proc``)."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n{_tail(log)}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout:.0f} s:\n"
+                       f"{_tail(log)}")
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+class _Processes:
+    """The processes of a loopback deployment, each in its own process group (so that the
+    ``flower-superexec``, ``flwr-serverapp`` and ``flwr-clientapp`` processes they spawn are
+    ended with them)."""
+
+    def __init__(self, env: Mapping[str, str], logs: Path) -> None:
+        self.env = dict(env)
+        self.logs = logs
+        self.procs: list[tuple[subprocess.Popen, Path]] = []
+        self.groups: list[int] = []
+
+    def start(self, name: str, args: Sequence[str]) -> tuple[subprocess.Popen, Path]:
+        log = self.logs / f"{name}.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(list(args), stdout=f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=self.env,
+                                    cwd=str(self.logs), start_new_session=True)
+        self.procs.append((proc, log))
+        self.groups.append(proc.pid)
+        return proc, log
+
+    def stop(self, grace: float = 5.0) -> list[int]:
+        """SIGTERM every group, SIGKILL what is left after ``grace`` s; return the groups
+        that still have live processes (empty when all ended)."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pgid in self.groups:
+                try:
+                    os.killpg(pgid, sig)
+                except ProcessLookupError:
+                    pass
+            end = time.monotonic() + grace
+            while time.monotonic() < end and any(map(_group_alive, self.groups)):
+                for proc, _ in self.procs:
+                    proc.poll()
+                time.sleep(0.1)
+        for proc, _ in self.procs:
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        return [g for g in self.groups if _group_alive(g)]
+
+
+def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
+                  workdir: str | os.PathLike, *, tls: bool = False,
+                  timeout: float = 600.0, poll_interval: float = 0.05,
+                  env: Mapping[str, str] | None = None,
+                  on_stopped: Callable[[list[int]], None] | None = None):
+    """Run a deployment as real processes on ``127.0.0.1``; return its InferenceData.
+
+    Starts ``flower-superlink`` (runtime dependency installation disabled: nothing is
+    downloaded), one ``flower-supernode`` per client with ``--node-config
+    "partition-id=i data-path='workdir/data/client_i.npz'"`` (client ``i``'s rows, written
+    here: the only data that process reads), writes the app (:func:`write_app`) and submits
+    it with ``flwr run``; waits for the run to end and reads the draws back. Flower's home
+    (``FLWR_HOME``, ``HOME``: its ``config.toml`` with the SuperLink connection, the
+    installed apps) is ``workdir/home``; telemetry is off. Every process is ended when this
+    returns or raises; logs are in ``workdir/logs``.
+
+    Flower runs one ``flwr-clientapp`` process per message (importing JAX each time) and the
+    SuperNode waits 3 s before it asks again for a message when there was none: a round
+    costs a few seconds, whatever the kernel's cost (measured in
+    ``tests/test_flower_processes.py``).
+
+    :param spec: the run's :class:`~numpyro_fed.flower.protocol.FlowerSpec`.
+    :param clients: per-client rows (mappings of arrays with a leading row axis).
+    :param workdir: an empty or scratch directory.
+    :param tls: TLS between every process and the SuperLink, with a throwaway CA
+        (:func:`make_tls_files`); otherwise ``--insecure``.
+    :param timeout: seconds for the whole run.
+    :param poll_interval: the ServerApp's polling interval (:class:`PollingGrid`).
+    :param env: extra environment variables for every process.
+    :param on_stopped: called with the process groups still alive after the shutdown
+        (an empty list when all ended), e.g. for a test's assertion.
+    :return: ``arviz.InferenceData`` as :func:`to_inference_data`.
+    """
+    import arviz as az
+    import tomli_w
+
+    exe = flower_executables()
+    if exe is None:
+        raise RuntimeError(f"Flower's executables {_EXECUTABLES} are not installed "
+                           "(pip install numpyro_fed[flower]).")
+    if len(clients) != spec.num_clients:
+        raise ValueError(f"`clients` has {len(clients)} entries but spec.num_clients="
+                         f"{spec.num_clients}; pass one mapping of rows per client.")
+    work = Path(workdir).resolve()
+    home, data, logs = work / "home", work / "data", work / "logs"
+    for d in (home, data, logs):
+        d.mkdir(parents=True, exist_ok=True)
+    output = work / "draws.nc"
+    if output.exists():
+        output.unlink()
+    app = write_app(work / "app", spec, output, poll_interval=poll_interval)
+    link_port, *node_ports = _free_ports(1 + len(clients))
+    penv = {**os.environ, "HOME": str(home), "FLWR_HOME": str(home),
+            "FLWR_TELEMETRY_ENABLED": "0", "JAX_PLATFORMS": "cpu",
+            "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.05",
+            "JAX_COMPILATION_CACHE_DIR": str(work / "jax_cache"),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "PATH": os.path.dirname(exe["flwr"]) + os.pathsep + os.environ.get("PATH", ""),
+            **(env or {})}
+    if tls:
+        certs = make_tls_files(work / "certificates")
+        link_sec = ["--ssl-ca-certfile", str(certs["ca"]), "--ssl-certfile",
+                    str(certs["cert"]), "--ssl-keyfile", str(certs["key"])]
+        node_sec = ["--root-certificates", str(certs["ca"])]
+        connection = {"address": f"127.0.0.1:{link_port}", "root-certificates": str(certs["ca"])}
+    else:
+        link_sec, node_sec = ["--insecure"], ["--insecure"]
+        connection = {"address": f"127.0.0.1:{link_port}", "insecure": True}
+    (home / "config.toml").write_text(tomli_w.dumps(
+        {"superlink": {"default": "loopback", "loopback": connection}}))
+    procs = _Processes(penv, logs)
+    try:
+        link, link_log = procs.start("superlink", [
+            exe["flower-superlink"], *link_sec, "--port", str(link_port),
+            "--disable-runtime-dependency-installation"])
+        _wait_port(link_port, link, link_log, 60.0)
+        for i, (rows, port) in enumerate(zip(clients, node_ports, strict=True)):
+            path = data / f"client_{i}.npz"
+            np.savez(path, **{k: np.asarray(v) for k, v in rows.items()})
+            procs.start(f"supernode_{i}", [
+                exe["flower-supernode"], *node_sec, "--superlink", f"127.0.0.1:{link_port}",
+                "--port", str(port), "--node-config", f"partition-id={i} data-path='{path}'"])
+        run, run_log = procs.start("flwr_run", [exe["flwr"], "run", str(app), "loopback",
+                                                "--stream"])
+        try:
+            run.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the Flower run did not end within {timeout:.0f} s; logs in "
+                               f"{logs}:\n{_tail(run_log)}") from None
+        if not output.exists():
+            raise RuntimeError(f"the Flower run ended without writing {output}; logs in "
+                               f"{logs}:\n{_tail(run_log)}")
+        return az.from_netcdf(str(output))
+    finally:
+        alive = procs.stop()
+        if on_stopped is not None:
+            on_stopped(alive)
