@@ -463,11 +463,12 @@ class _Processes:
         self.procs: list[tuple[subprocess.Popen, Path]] = []
         self.groups: list[int] = []
 
-    def start(self, name: str, args: Sequence[str]) -> tuple[subprocess.Popen, Path]:
+    def start(self, name: str, args: Sequence[str],
+              env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
         log = self.logs / f"{name}.log"
         with open(log, "wb") as f:
             proc = subprocess.Popen(list(args), stdout=f, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=self.env,
+                                    stdin=subprocess.DEVNULL, env={**self.env, **(env or {})},
                                     cwd=str(self.logs), start_new_session=True)
         self.procs.append((proc, log))
         self.groups.append(proc.pid)
@@ -495,10 +496,120 @@ class _Processes:
         return [g for g in self.groups if _group_alive(g)]
 
 
+_SHIM = """\
+#!{python} -IS
+# flwr-clientapp, forwarded to numpyro_fed's warm launcher (a forked, pre-imported process)
+import json, os, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect({sock!r})
+s.sendall(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd()}}).encode() + b"\\n")
+sys.exit(int(s.makefile("rb").readline() or b"1"))
+"""
+
+
+def _warm_launcher(sock_path: str, preload: Sequence[str]) -> None:
+    """Serve ``flwr-clientapp`` launches by forking this pre-imported process.
+
+    Flower starts one ``flwr-clientapp`` process per message; a cold start re-imports flwr,
+    JAX, NumPyro and ``numpyro_fed`` (seconds per message). Here they are imported once
+    (without initialising a JAX backend, so forking is safe: one thread, no XLA client) and
+    every launch is ``fork`` + Flower's own ``flwr-clientapp`` entry point with the
+    arguments the SuperNode's SuperExec passed to the shim (:data:`_SHIM`), which waits for
+    the child and exits with its status.
+    """
+    import importlib
+    import json
+    import select
+    import threading
+
+    from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
+
+    for module in preload:
+        importlib.import_module(module)
+    from jax._src import xla_bridge
+
+    if threading.active_count() != 1 or xla_bridge._backends:
+        raise RuntimeError("warm launcher: a thread or a JAX backend was started while "
+                           f"importing {list(preload)}; forking would be unsafe")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(sock_path)
+    server.listen(64)
+    waiting: dict[int, socket.socket] = {}
+    started: dict[int, float] = {}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        ready, _, _ = select.select([server], [], [], 0.02)
+        if ready:
+            conn, _ = server.accept()
+            request = json.loads(conn.makefile("rb").readline())
+            pid = os.fork()
+            if pid == 0:  # the ClientApp process
+                server.close()
+                for other in waiting.values():
+                    other.close()
+                conn.close()
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                code = 0
+                try:
+                    os.chdir(request["cwd"])
+                    sys.argv = ["flwr-clientapp", *request["argv"]]
+                    flwr_clientapp()
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else 1
+                except BaseException:  # noqa: BLE001 - reported like a crashed process
+                    import traceback
+
+                    traceback.print_exc()
+                    code = 1
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            waiting[pid] = conn
+            started[pid] = time.monotonic()
+            print(f"warm launcher: ClientApp pid {pid} started", flush=True)
+        for pid in list(waiting):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                conn = waiting.pop(pid)
+                print(f"warm launcher: ClientApp pid {pid} ended with status "
+                      f"{os.waitstatus_to_exitcode(status)} after "
+                      f"{time.monotonic() - started.pop(pid):.2f} s", flush=True)
+                try:
+                    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                except OSError:
+                    pass
+                conn.close()
+
+
+def _start_warm(procs: _Processes, work: Path, spec: FlowerSpec) -> Path:
+    """Start the warm launcher; return the folder of its ``flwr-clientapp`` shim."""
+    import tempfile
+
+    sock = work / "warm.sock"
+    if len(str(sock)) > 100:  # AF_UNIX path limit (108 bytes)
+        sock = Path(tempfile.mkdtemp(prefix="nfed")) / "warm.sock"
+    preload = ["numpyro_fed.flower", spec.model.partition(":")[0]]
+    code = ("import sys; from numpyro_fed.flower.runner import _warm_launcher; "
+            "_warm_launcher(sys.argv[1], sys.argv[2:])")
+    proc, log = procs.start("warm_launcher", [sys.executable, "-c", code, str(sock), *preload])
+    end = time.monotonic() + 120.0
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > end:
+            raise RuntimeError(f"the warm ClientApp launcher did not start:\n{_tail(log)}")
+        time.sleep(0.05)
+    shim_dir = work / "bin"
+    shim_dir.mkdir(exist_ok=True)
+    shim = shim_dir / "flwr-clientapp"
+    shim.write_text(_SHIM.format(python=sys.executable, sock=str(sock)))
+    shim.chmod(0o755)
+    return shim_dir
+
+
 def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
                   workdir: str | os.PathLike, *, tls: bool = False,
                   timeout: float = 600.0, poll_interval: float = 0.05,
-                  env: Mapping[str, str] | None = None,
+                  warm_clients: bool = True, env: Mapping[str, str] | None = None,
                   on_stopped: Callable[[list[int]], None] | None = None):
     """Run a deployment as real processes on ``127.0.0.1``; return its InferenceData.
 
@@ -511,10 +622,13 @@ def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
     installed apps) is ``workdir/home``; telemetry is off. Every process is ended when this
     returns or raises; logs are in ``workdir/logs``.
 
-    Flower runs one ``flwr-clientapp`` process per message (importing JAX each time) and the
-    SuperNode waits 3 s before it asks again for a message when there was none: a round
-    costs a few seconds, whatever the kernel's cost (measured in
-    ``tests/test_flower_processes.py``).
+    Flower runs one ``flwr-clientapp`` process per message, which would re-import JAX for
+    every message (seconds each); with ``warm_clients`` the SuperNodes find first on their
+    ``PATH`` a ``flwr-clientapp`` that forks a process in which flwr, JAX, NumPyro,
+    ``numpyro_fed`` and the model's module are already imported, and runs Flower's own
+    ``flwr-clientapp`` entry point there (:func:`_warm_launcher`). The SuperNode still waits
+    3 s before asking again for a message when there was none (flwr 1.41): a round costs a
+    few seconds whatever the kernel's cost (measured in ``tests/test_flower_processes.py``).
 
     :param spec: the run's :class:`~numpyro_fed.flower.protocol.FlowerSpec`.
     :param clients: per-client rows (mappings of arrays with a leading row axis).
@@ -523,6 +637,8 @@ def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
         (:func:`make_tls_files`); otherwise ``--insecure``.
     :param timeout: seconds for the whole run.
     :param poll_interval: the ServerApp's polling interval (:class:`PollingGrid`).
+    :param warm_clients: fork ClientApp processes from a pre-imported launcher (see above)
+        instead of Flower's cold ``flwr-clientapp`` start.
     :param env: extra environment variables for every process.
     :param on_stopped: called with the process groups still alive after the shutdown
         (an empty list when all ended), e.g. for a test's assertion.
@@ -571,12 +687,16 @@ def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
             exe["flower-superlink"], *link_sec, "--port", str(link_port),
             "--disable-runtime-dependency-installation"])
         _wait_port(link_port, link, link_log, 60.0)
+        node_env = None
+        if warm_clients:
+            node_env = {"PATH": f"{_start_warm(procs, work, spec)}{os.pathsep}{penv['PATH']}"}
         for i, (rows, port) in enumerate(zip(clients, node_ports, strict=True)):
             path = data / f"client_{i}.npz"
             np.savez(path, **{k: np.asarray(v) for k, v in rows.items()})
             procs.start(f"supernode_{i}", [
                 exe["flower-supernode"], *node_sec, "--superlink", f"127.0.0.1:{link_port}",
-                "--port", str(port), "--node-config", f"partition-id={i} data-path='{path}'"])
+                "--port", str(port), "--node-config", f"partition-id={i} data-path='{path}'"],
+                env=node_env)
         run, run_log = procs.start("flwr_run", [exe["flwr"], "run", str(app), "loopback",
                                                 "--stream"])
         try:
@@ -592,3 +712,4 @@ def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
         alive = procs.stop()
         if on_stopped is not None:
             on_stopped(alive)
+
