@@ -17,9 +17,11 @@ from numpyro.infer import MCMC
 
 from models import logistic_regression
 from numpyro_fed import DELF, ClientPartition, compressors
-from numpyro_fed.flower import FlowerSpec, run_loopback, to_inference_data
+from numpyro_fed.bits import counter_value
+from numpyro_fed.flower import FlowerSpec, make_client_app, run_loopback, serve, to_inference_data
 from numpyro_fed.flower.apps import _load_state
 from numpyro_fed.flower.runner import LoopbackGrid
+from numpyro_fed.kernels.elf import BELF, PELF
 from numpyro_fed.kernels.qlsd import QLSD
 
 B = 4
@@ -41,7 +43,7 @@ def problem():
 def _inprocess(kernel, steps):
     mcmc = MCMC(kernel, num_warmup=0, num_samples=steps, progress_bar=False)
     mcmc.run(random.key(3), extra_fields=("bits_up", "bits_down"))
-    return np.asarray(mcmc.get_samples()["w"]), mcmc.get_extra_fields()
+    return np.asarray(mcmc.get_samples()["w"]), mcmc.get_extra_fields(), mcmc.last_state
 
 
 KERNELS = {
@@ -51,29 +53,69 @@ KERNELS = {
                                  uplink=compressors.top_k(2), **kw),
     "qlsd#-p0.5": lambda p, **kw: QLSD(logistic_regression, p, variant="#", step_size=2e-3,
                                        batch_size=10, bits=4, participation=0.5, **kw),
+    "pelf": lambda p, **kw: PELF(logistic_regression, p, step_size=2e-3,
+                                 downlink=compressors.top_k(2), **kw),
+    # participation 0.5: absent clients catch up on the compressed model broadcast
+    "belf-p0.5": lambda p, **kw: BELF(logistic_regression, p, step_size=2e-3, batch_size=10,
+                                      uplink=compressors.top_k(2), downlink=compressors.top_k(1),
+                                      w0="compressed", participation=0.5, **kw),
+    # theta* found by the federated Barzilai-Borwein search, then g* and QLSD* steps
+    "qlsd*": lambda p, **kw: QLSD(logistic_regression, p, variant="*", step_size=2e-3,
+                                  batch_size=10, bits=4, **kw),
 }
+#: steps of the comparison (the later kernels use fewer to keep the suite fast; the first
+#: 60 steps already contain catch-ups of both kinds for B-ELF)
+STEPS = {"pelf": 60, "belf-p0.5": 60, "qlsd*": 60}
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_flower_run_matches_inprocess_kernel(problem, name):
     part, clients = problem
-    steps = 150
+    steps = STEPS.get(name, 150)
     kernel = KERNELS[name](part)
-    ref, extra = _inprocess(kernel, steps)
+    ref, extra, last = _inprocess(kernel, steps)
     spec = FlowerSpec.from_kernel(kernel, "models:logistic_regression", num_samples=steps, seed=3)
     coord = run_loopback(spec, clients)
     idata = to_inference_data(coord)
     got = idata.posterior["w"].values[0]
     # float32: the clients sum over their N_i rows, the kernel over padded rows, and the
-    # server sums the received messages in its own order; measured max difference over 200
-    # steps: 8e-7 (QLSD++), 0 (D-ELF). A quantisation level flipped by such a difference
-    # would show up as a jump of ~|v|/s, far above this bound.
+    # server sums the received messages in its own order; measured max difference over 150
+    # steps: 8e-7 (QLSD++), 0 (D-ELF, P-ELF, B-ELF with catch-ups, QLSD* incl. its theta*
+    # search). A quantisation level or top-k index flipped by such a difference would show
+    # up as a jump of ~|v|/s, far above this bound.
     assert np.max(np.abs(got - ref)) <= 1e-5 * (1 + np.max(np.abs(ref)))
     # the bits the compressor declared are those the in-process kernel counts
-    np.testing.assert_array_equal(idata.sample_stats["bits_up_declared"].values[0],
-                                  np.asarray(extra["bits_up"]))
-    np.testing.assert_array_equal(idata.sample_stats["bits_down_declared"].values[0],
-                                  np.asarray(extra["bits_down"]))
+    ss = idata.sample_stats
+    np.testing.assert_array_equal(ss["bits_up_declared"].values[0], np.asarray(extra["bits_up"]))
+    down = ss["bits_down_declared"].values[0]
+    if spec.algorithm in ("pelf", "belf") and spec.participation < 1:
+        # in process, the model update counts as a broadcast to all b clients; the deployment
+        # sends it to the asked clients only, each getting the updates of the rounds it missed
+        # (same coded lengths as in process) or, when cheaper, the dense w (32 d bits)
+        per_client = np.asarray(extra["bits_down"]) // B
+        asked = ss["asked"].values[0]
+        missed = {(k, i): (kind, m) for k, i, kind, m in coord.log.catchups}
+        expect = np.zeros(steps, np.int64)
+        for k in range(steps):
+            for i in np.flatnonzero(asked[k]):
+                kind, m = missed.get((k, i), ("replay", 0))
+                expect[k] += 32 * 4 if kind == "dense" else per_client[k - m : k + 1].sum()
+        np.testing.assert_array_equal(down, expect)
+        assert {kind for _, _, kind, _ in coord.log.catchups} == {"replay", "dense"}
+    else:
+        np.testing.assert_array_equal(down, np.asarray(extra["bits_down"]))
+    # one-off rounds (ELF's initial gradients, QLSD*'s search and g* round) cost the same;
+    # in process QLSD also counts the broadcast of theta_0 (b 32 d bits) as one-off, which the
+    # deployment sends with the first step instead
+    up_once = counter_value(last.total_up) - int(np.sum(extra["bits_up"]))
+    down_once = counter_value(last.total_down) - int(np.sum(extra["bits_down"]))
+    assert coord.setup_bits["up_declared"] == up_once
+    theta0 = B * 32 * 4 if spec.algorithm == "qlsd" else 0
+    assert coord.setup_bits["down_declared"] + theta0 == down_once
+    if spec.variant == "*":
+        np.testing.assert_array_equal(coord.theta_star, kernel.theta_star)
+        assert coord.theta_star_search.rounds == kernel.theta_star_search.rounds > 1
+        assert coord.theta_star_search.converged
 
 
 def test_wire_payload_is_the_declared_message(problem):
@@ -105,8 +147,6 @@ def test_faults_and_malformed_messages_are_survived_and_rejected(problem, caplog
     def faults(node, group):
         return plan.get((group, index.get(node)))
 
-    from numpyro_fed.flower import make_client_app, serve
-
     app = make_client_app(lambda c: (int(c.node_config["partition-id"]),
                                      clients[int(c.node_config["partition-id"])], {}))
     grid = LoopbackGrid(app, [{"partition-id": i} for i in range(B)], faults=faults)
@@ -132,6 +172,71 @@ def test_faults_and_malformed_messages_are_survived_and_rejected(problem, caplog
     assert np.all(np.isfinite(coord.draws))
 
 
+def test_belf_catch_up_under_faults_keeps_w_and_g_consistent(problem, caplog):
+    """B-ELF with lost, late, crashed and rejected messages: every client's shadow model is
+    bitwise the server's w of the round it holds, catch-ups replay the missed compressed
+    updates (a client whose reply was lost skips the one it already applied) or send the dense
+    w when that is cheaper, and g = sum_i g_i."""
+    part, clients = problem
+    steps = 16
+    kernel = BELF(logistic_regression, part, step_size=2e-3, uplink=compressors.top_k(2),
+                  downlink=compressors.top_k(1))  # |Q^P| = 34 bits, dense w: 128 bits
+    spec = FlowerSpec.from_kernel(kernel, "models:logistic_regression", num_samples=steps,
+                                  seed=3, round_timeout=1.0)
+    plan = {("step-3", 0): "drop", ("step-5", 1): "timeout", ("step-7", 3): "corrupt",
+            ("step-9", 3): "oversize", ("step-11", 0): "crash",
+            **{(f"step-{k}", 2): "drop" for k in range(8, 12)}}
+    index = {}
+    app = make_client_app(lambda c: (int(c.node_config["partition-id"]),
+                                     clients[int(c.node_config["partition-id"])], {}))
+    grid = LoopbackGrid(app, [{"partition-id": i} for i in range(B)],
+                        faults=lambda node, group: plan.get((group, index.get(node))))
+    index.update({nid: int(ctx.node_config["partition-id"]) for nid, ctx in grid.contexts.items()})
+    with caplog.at_level(logging.WARNING, logger="numpyro_fed.flower"):
+        coord = serve(grid, spec)
+    parts = np.asarray(coord.log.participants)
+    assert parts.sum() == steps * B - len(plan)
+    assert "oversized message" in caplog.text and len(coord.log.rejected) == 3
+    # drop at 3 -> replay of rounds 3-4 at round 4; timeout at 5 (client holds round 5) ->
+    # replay of 5-6, round 5 skipped by the client; corrupt at 7 -> replay at 8; 4 rounds
+    # dropped -> 5 updates (170 bits) at round 12 cost more than the dense w (128 bits)
+    assert {(4, 0, "replay", 1), (6, 1, "replay", 1), (8, 3, "replay", 1),
+            (12, 2, "dense", 4)} <= set(coord.log.catchups)
+    total = np.zeros_like(coord.server_state["g"])
+    for nid, ctx in grid.contexts.items():
+        st, i = _load_state(ctx), index[nid]
+        assert st["w_round"] >= coord.server_state["known"][i]
+        np.testing.assert_array_equal(st["w"], coord.shadow_models[st["w_round"]])
+        total += st["g"] + (st["pending"] if st["pending_round"] == coord.applied[i] else 0.0)
+    np.testing.assert_array_equal(coord.shadow_models[-1], coord.server_state["w"])
+    np.testing.assert_allclose(total, coord.server_state["g"], rtol=1e-5, atol=1e-4)
+    assert np.all(np.isfinite(coord.draws))
+
+
+def test_spec_validation_and_theta_star_given(problem):
+    part, clients = problem
+    with pytest.raises(ValueError, match="contractive `downlink`"):
+        FlowerSpec(algorithm="belf", model="m:f", num_clients=2, step_size=1e-3, num_samples=2,
+                   compressor="top_k(k=1)", downlink="quantize(s=4)")
+    with pytest.raises(ValueError, match="P-ELF sends dense gradients"):
+        FlowerSpec(algorithm="pelf", model="m:f", num_clients=2, step_size=1e-3, num_samples=2,
+                   compressor="top_k(k=1)", downlink="top_k(k=1)")
+    with pytest.raises(ValueError, match="theta_star_method"):
+        FlowerSpec(algorithm="qlsd", variant="*", model="m:f", num_clients=2, step_size=1e-3,
+                   num_samples=2, theta_star_method="bfgs")
+    # a given (constrained) theta*: unconstrained by the server, one counted g* round
+    theta = {"w": np.array([0.3, -0.2, 0.5, 0.1])}
+    kernel = QLSD(logistic_regression, part, variant="*", step_size=2e-3, batch_size=10, bits=4,
+                  theta_star=theta)
+    kernel._prepare_theta_star(random.key(3))
+    spec = FlowerSpec.from_kernel(kernel, "models:logistic_regression", num_samples=3, seed=3)
+    coord = run_loopback(FlowerSpec.from_config(spec.to_config()), clients)
+    assert coord.theta_star_search.method == "user" and coord.setup_bits["rounds"] == 1
+    assert coord.setup_bits["up_declared"] == kernel._star_bits[0] == B * 32 * 4
+    np.testing.assert_array_equal(coord.theta_star, kernel.theta_star)
+    np.testing.assert_allclose(coord.g_star, kernel.g_star, rtol=1e-6, atol=1e-5)
+
+
 def test_inprocess_participation_records_and_halves_uplink(problem):
     part, _ = problem
     steps = 400
@@ -144,7 +249,7 @@ def test_inprocess_participation_records_and_halves_uplink(problem):
     assert abs(mask.mean() - 0.5) < 0.05
     full_kernel = QLSD(logistic_regression, part, variant="#", step_size=2e-3, batch_size=10,
                        bits=4)
-    _, extra_full = _inprocess(full_kernel, steps)
+    _, extra_full, _ = _inprocess(full_kernel, steps)
     bits_half = np.mean(mcmc.get_extra_fields()["bits_up"])
     assert bits_half < 0.6 * np.mean(np.asarray(extra_full["bits_up"]))
 

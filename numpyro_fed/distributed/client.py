@@ -23,6 +23,50 @@ from numpyro_fed.potential import FederatedPotential, batch_indices
 
 __all__ = ["ClientProblem", "client_key", "batch_indices"]  # batch_indices re-exported
 
+#: Compiled client programs shared by the clients of one process that have the same model,
+#: row schema and ``N_max`` (a loopback run or a simulation hosts all ``b`` clients in one
+#: process: the data are arguments, so they compile once, not ``b`` times). Small LRU.
+_PROGRAMS: dict[tuple, tuple[Callable, Callable, Callable]] = {}
+_PROGRAMS_MAX = 8
+
+
+def _programs(pot: FederatedPotential, model: Callable, rows: Mapping[str, Any],
+              shared: Mapping[str, Any] | None, max_rows: int) -> tuple:
+    """Jitted ``full_grad(theta, rows, mask, tau, w)``, ``batch_grad(key, theta, rows, size,
+    tau, w, n)`` and ``batch_grad_diff(key, theta, zeta, rows, size, tau, w, n)`` of ``pot``'s
+    model (cached by model, row schema and ``max_rows`` when there are no shared
+    arguments, which the compiled programs would hold as constants)."""
+    schema = tuple(sorted((k, str(v.dtype), tuple(v.shape[1:])) for k, v in rows.items()))
+    key = (model, schema, max_rows)
+    if not shared and key in _PROGRAMS:
+        _PROGRAMS[key] = _PROGRAMS.pop(key)  # most recently used last
+        return _PROGRAMS[key]
+
+    def full_grad(theta, rows, mask, tau, w):
+        g = jax.grad(pot._client_lik_potential)(theta, rows, mask, tau)
+        return g + w * pot.prior_grad(theta)
+
+    def batch(key, rows, size, n):
+        return jax.tree.map(lambda a: a[batch_indices(key, size, n, max_rows)], rows)
+
+    def batch_grad(key, theta, rows, size, tau, w, n):
+        g = jax.grad(pot._client_batch_potential)(theta, batch(key, rows, size, n), size, tau, n)
+        return g + w * pot.prior_grad(theta)
+
+    def batch_grad_diff(key, theta, zeta, rows, size, tau, w, n):
+        r = batch(key, rows, size, n)
+        grad_fn = jax.grad(pot._client_batch_potential)
+        g = grad_fn(theta, r, size, tau, n) - grad_fn(zeta, r, size, tau, n)
+        return g + w * (pot.prior_grad(theta) - pot.prior_grad(zeta))
+
+    progs = (jax.jit(full_grad), jax.jit(batch_grad, static_argnums=6),
+             jax.jit(batch_grad_diff, static_argnums=7))
+    if not shared:
+        _PROGRAMS[key] = progs
+        while len(_PROGRAMS) > _PROGRAMS_MAX:
+            _PROGRAMS.pop(next(iter(_PROGRAMS)))
+    return progs
+
 
 def client_key(key: jax.Array, index: int, num_clients: int) -> jax.Array:
     """Client ``index``'s key of a per-client split: ``random.split(key, b)[index]``, as the
@@ -65,30 +109,15 @@ class ClientProblem:
         self.tau = jnp.asarray(np.float64(likelihood_weight))
         self.w = jnp.asarray(np.float64(prior_weight))
         self.dim = pot.dim
-        rows_, size, mask, tau, w = self.rows, self.size, self.mask, self.tau, self.w
-
-        def full_grad(theta):
-            g = jax.grad(pot._client_lik_potential)(theta, rows_, mask, tau)
-            return g + w * pot.prior_grad(theta)
-
         max_rows = int(part.sizes_np[0]) if max_size is None else int(max_size)
-
-        def batch(key, n):
-            return jax.tree.map(lambda a: a[batch_indices(key, size, n, max_rows)], rows_)
-
-        def batch_grad(key, theta, n):
-            g = jax.grad(pot._client_batch_potential)(theta, batch(key, n), size, tau, n)
-            return g + w * pot.prior_grad(theta)
-
-        def batch_grad_diff(key, theta, zeta, n):
-            r = batch(key, n)
-            grad_fn = jax.grad(pot._client_batch_potential)
-            g = grad_fn(theta, r, size, tau, n) - grad_fn(zeta, r, size, tau, n)
-            return g + w * (pot.prior_grad(theta) - pot.prior_grad(zeta))
-
-        self.full_grad = jax.jit(full_grad)
-        self.batch_grad = jax.jit(batch_grad, static_argnums=2)
-        self.batch_grad_diff = jax.jit(batch_grad_diff, static_argnums=3)
+        full_grad, batch_grad, batch_grad_diff = _programs(pot, model, self.rows, shared,
+                                                           max_rows)
+        rows_, size, mask, tau, w = self.rows, self.size, self.mask, self.tau, self.w
+        self.full_grad = lambda theta: full_grad(theta, rows_, mask, tau, w)
+        self.batch_grad = lambda key, theta, n: batch_grad(key, theta, rows_, size, tau, w, n)
+        self.batch_grad_diff = lambda key, theta, zeta, n: batch_grad_diff(
+            key, theta, zeta, rows_, size, tau, w, n
+        )
 
     def oracle(self, key: jax.Array, theta: jax.Array, batch_size: int | None) -> jax.Array:
         """:math:`H_i(\\theta)`: exact gradient, or the minibatch oracle with this client's

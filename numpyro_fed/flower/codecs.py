@@ -20,6 +20,7 @@ decode.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -32,7 +33,14 @@ from jax import lax
 
 from numpyro_fed.compressors import Compressor, ceil_log2, get_compressor
 
-__all__ = ["WireCodec", "WireFormatError", "compressor_from_name", "dense_codec", "wire_codec"]
+__all__ = [
+    "WireCodec",
+    "WireFormatError",
+    "codec_for",
+    "compressor_from_name",
+    "dense_codec",
+    "wire_codec",
+]
 
 
 class WireFormatError(ValueError):
@@ -336,3 +344,11 @@ def compressor_from_name(name: Compressor | str | None) -> Compressor:
         return get_compressor(_spec(name.strip()))
     except ValueError:
         return get_compressor(name)
+
+
+@functools.lru_cache(maxsize=32)
+def codec_for(name: str, d: int) -> WireCodec:
+    """:func:`wire_codec` of the compressor called ``name`` (:func:`compressor_from_name`),
+    cached: codecs are stateless, and the clients of one process (a loopback run, a
+    simulation) then share their compiled helpers instead of compiling them once each."""
+    return wire_codec(compressor_from_name(name), d)

@@ -2,26 +2,55 @@
 
 :class:`ClientWorker` is what a client runs: it holds only its own data and its own state
 (QLSD memory term :math:`\\eta_i`, QLSD++ control point :math:`\\zeta` and
-:math:`\\nabla U_i(\\zeta)`, D-ELF's error-feedback estimator :math:`g_i`) and answers the
-server's instructions with compressed messages. :class:`ServerCoordinator` runs the kernel's
-server step: it draws the Langevin noise, asks the clients, receives only compressed
+:math:`\\nabla U_i(\\zeta)`, QLSD*'s :math:`\\theta^\\star` and :math:`\\nabla U_i(\\theta^\\star)`,
+the ELF error-feedback estimator :math:`g_i`, P-/B-ELF's shadow model :math:`w`) and answers
+the server's instructions with compressed messages. :class:`ServerCoordinator` runs the
+kernel's server step: it draws the Langevin noise, asks the clients, receives only compressed
 messages, aggregates them and stores the draws. Both use the kernels' math and random keys
 (:class:`~numpyro_fed.distributed.client.ClientProblem`,
 :func:`~numpyro_fed.kernels.base.langevin_move`, the step key split
 ``(rng_key, k_noise, k_alg) = split(rng_key, 3)``, client ``i`` using
 ``split(k, b)[i]``), so for a fixed seed and no faults the deployment reproduces
-``QLSD``/``DELF`` run in process up to float32 summation order.
+``QLSD``/``ELF`` run in process up to float32 summation order.
 
 **Consistency under faults.** A client's state update that depends on the server applying
-its message (QLSD's :math:`\\eta_i \\mathrel{+}= \\alpha g_i`, D-ELF's
+its message (QLSD's :math:`\\eta_i \\mathrel{+}= \\alpha g_i`, D-/B-ELF's
 :math:`g_i \\mathrel{+}= c_i`) is kept *pending* and committed only when the server's next
 instruction acknowledges that round (``ack``). A message that was lost, late or rejected is
 never acknowledged, so client and server state never diverge
-(:math:`\\eta = \\sum_i \\eta_i`, :math:`g = \\sum_i g_i`). Reweighting of the received
-messages: :mod:`numpyro_fed.distributed.participation`.
+(:math:`\\eta = \\sum_i \\eta_i`, :math:`g = \\sum_i g_i`; P-ELF's server keeps the last dense
+:math:`g_i` of every client). Reweighting of the received messages:
+:mod:`numpyro_fed.distributed.participation`.
 
-Supported kernels: QLSD# and QLSD++ (any unbiased compressor with a wire format, memory,
-minibatches, participation) and D-ELF (any contractive compressor with a wire format).
+**P-/B-ELF: the compressed model broadcast and its catch-up** (ELF Alg. 2-3, EF21-P). The
+server owns the shadow model :math:`w_k = w_{k-1} + \\mathcal{Q}^P(x_{k+1} - w_{k-1})` and
+sends the *serialised compressed update* of round ``k``; every client keeps its own copy of
+:math:`w` and the round ``w_round`` it corresponds to. A client that missed rounds (not
+sampled, message dropped, reply lost) is brought up to date the next time it is asked, with
+the cheaper of two exact options, chosen per client and counted in its downlink bits:
+
+* *replay*: the compressed updates of the missed rounds ``a+1..k`` (``a`` = the last round the
+  server knows the client holds), which the client adds in order with the same float32
+  additions as the server -- bitwise the server's :math:`w_k`; a client that already holds a
+  later round than ``a`` (its reply was lost) skips the updates it has;
+* *dense*: :math:`w_k` itself (``32 d`` bits), when the replay would cost at least as much.
+
+So a rejoining client never pays more than one dense model, the server keeps only the updates
+whose replay is still cheaper than a dense model (a bounded history), and no approximation is
+made: client and server :math:`w` are equal bit for bit (checked by the tests).
+
+**QLSD*** (Alg. 2 with :math:`\\theta^\\star`). :math:`\\theta^\\star` is either given
+(constrained site values, as in process) or found by the federated Barzilai--Borwein (or Adam)
+descent of :func:`~numpyro_fed.kernels.qlsd.find_theta_star`, one round per gradient
+evaluation (dense :math:`\\theta` down, dense :math:`\\nabla U_i(\\theta)` up, every client
+required); then one counted round broadcasts :math:`\\theta^\\star` and collects
+:math:`\\nabla U_i(\\theta^\\star)`, the server keeps :math:`g^\\star = \\sum_i
+\\nabla U_i(\\theta^\\star)` and the clients send
+:math:`\\mathcal{C}(H_i(\\theta) - H_i(\\theta^\\star))`.
+
+Supported kernels: QLSD#, QLSD* and QLSD++ (any unbiased compressor with a wire format,
+memory, minibatches, participation), D-ELF, P-ELF and B-ELF (any contractive compressor with a
+wire format, minibatches, participation).
 """
 
 from __future__ import annotations
@@ -41,7 +70,13 @@ from jax import random
 
 from numpyro_fed.distributed.client import ClientProblem, client_key
 from numpyro_fed.distributed.participation import check_participation, participation_mask
-from numpyro_fed.flower.codecs import WireFormatError, compressor_from_name, dense_codec, wire_codec
+from numpyro_fed.flower.codecs import (
+    WireCodec,
+    WireFormatError,
+    codec_for,
+    compressor_from_name,
+    dense_codec,
+)
 from numpyro_fed.kernels.base import langevin_move
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential
@@ -58,7 +93,9 @@ __all__ = [
 
 log = logging.getLogger("numpyro_fed.flower")
 
-_ALGORITHMS = ("qlsd", "delf")
+_ALGORITHMS = ("qlsd", "delf", "pelf", "belf")
+_SHADOW = ("pelf", "belf")  # algorithms with the EF21-P shadow model w
+_SEARCH_METHODS = ("bb", "adam")
 
 
 def load_model(ref: str) -> Callable:
@@ -74,20 +111,40 @@ def load_model(ref: str) -> Callable:
     return obj
 
 
+def _theta_star_json(value: Any) -> str:
+    """JSON of constrained site values ``{name: nested list}`` (a bare array is kept as
+    ``{"": ...}`` and mapped to the model's only latent site by the server)."""
+    if not isinstance(value, Mapping):
+        value = {"": value}
+    return json.dumps({k: np.asarray(v, np.float64).tolist() for k, v in value.items()})
+
+
 @dataclass
 class FlowerSpec:
     """Everything the server and the clients must agree on (sent to clients at ``hello``).
 
-    :param algorithm: ``"qlsd"`` or ``"delf"``.
+    :param algorithm: ``"qlsd"``, ``"delf"``, ``"pelf"`` or ``"belf"``.
     :param model: import reference of the NumPyro model, ``"package.module:function"``.
     :param num_clients: ``b``.
     :param step_size: :math:`\\gamma`.
     :param num_samples: number of steps (every draw is kept).
-    :param variant: QLSD variant, ``"#"`` or ``"++"``.
+    :param variant: QLSD variant, ``"#"``, ``"*"`` or ``"++"``.
     :param batch_size: per-client minibatch ``n`` (0: exact local gradients).
-    :param compressor: compressor name (``"quantize(s=16)"``, ``"top_k(k=2)"``, ...).
+    :param compressor: the uplink compressor name (``"quantize(s=16)"``, ``"top_k(k=2)"``,
+        ...): QLSD's :math:`\\mathcal{C}`, D-/B-ELF's :math:`\\mathcal{Q}^D`; ``"identity"``
+        for P-ELF (dense gradients).
+    :param downlink: P-/B-ELF's contractive model compressor :math:`\\mathcal{Q}^P`
+        (``"identity"`` for the other algorithms).
+    :param w0: P-/B-ELF's initial shadow model: ``"x0"`` (dense :math:`x_0`, Alg. 2-3) or
+        ``"compressed"`` (:math:`\\mathcal{Q}^P(x_0)`, ELF eq. (3)).
     :param memory_rate: QLSD's :math:`\\alpha`.
     :param refresh_every: QLSD++'s ``l``.
+    :param theta_star: QLSD*: JSON of the constrained site values of :math:`\\theta^\\star`
+        (``{"w": [...]}``); empty: federated search.
+    :param theta_star_method: QLSD*'s search, ``"bb"`` (Barzilai--Borwein) or ``"adam"``.
+    :param theta_star_maxiter: its maximal number of iterations (one round each).
+    :param theta_star_gtol: its relative gradient tolerance.
+    :param theta_star_lr: Adam's step size.
     :param participation: probability that a client is asked in a round.
     :param prior: ``"split"``, ``"size"`` or ``"server"``.
     :param likelihood_weight: :math:`\\tau` (the same for every client).
@@ -105,8 +162,15 @@ class FlowerSpec:
     variant: str = "#"
     batch_size: int = 0
     compressor: str = "identity"
+    downlink: str = "identity"
+    w0: str = "x0"
     memory_rate: float = 0.0
     refresh_every: int = 100
+    theta_star: str = ""
+    theta_star_method: str = "bb"
+    theta_star_maxiter: int = 2000
+    theta_star_gtol: float = 1e-5
+    theta_star_lr: float = 1e-2
     participation: float = 1.0
     prior: str = "split"
     likelihood_weight: float = 1.0
@@ -117,13 +181,12 @@ class FlowerSpec:
     def __post_init__(self) -> None:
         if self.algorithm not in _ALGORITHMS:
             raise ValueError(
-                f"`algorithm` must be one of {_ALGORITHMS} (QLSD#/QLSD++ or D-ELF in the Flower "
-                f"deployment), got {self.algorithm!r}."
+                f"`algorithm` must be one of {_ALGORITHMS} (QLSD#/QLSD*/QLSD++, D-ELF, P-ELF or "
+                f"B-ELF in the Flower deployment), got {self.algorithm!r}."
             )
-        if self.algorithm == "qlsd" and self.variant not in ("#", "++"):
+        if self.algorithm == "qlsd" and self.variant not in ("#", "*", "++"):
             raise ValueError(
-                f"QLSD `variant` must be '#' or '++' in the Flower deployment, got "
-                f"{self.variant!r} (QLSD*'s theta* search is not distributed)."
+                f"QLSD `variant` must be '#', '*' or '++', got {self.variant!r}."
             )
         if self.num_clients < 1 or self.num_samples < 1:
             raise ValueError("`num_clients` and `num_samples` must be >= 1.")
@@ -133,10 +196,54 @@ class FlowerSpec:
             raise ValueError(f"`init` must be 'uniform' or 'zeros', got {self.init!r}.")
         self.participation = check_participation(self.participation)
         comp = compressor_from_name(self.compressor)
-        if self.algorithm == "qlsd" and not comp.unbiased:
+        down = compressor_from_name(self.downlink)
+        alg = self.algorithm
+        if alg == "qlsd" and not comp.unbiased:
             raise ValueError(f"QLSD needs an unbiased compressor, got {self.compressor}.")
-        if self.algorithm == "delf" and comp.alpha is None:
-            raise ValueError(f"D-ELF needs a contractive compressor, got {self.compressor}.")
+        if alg in ("delf", "belf") and comp.alpha is None:
+            raise ValueError(
+                f"{alg[0].upper()}-ELF needs a contractive uplink `compressor`, got "
+                f"{self.compressor}; use top_k(k) or scaled(...)."
+            )
+        if alg == "pelf" and not comp.is_identity:
+            raise ValueError(
+                f"P-ELF sends dense gradients: `compressor` must be 'identity', got "
+                f"{self.compressor!r} (use algorithm='belf' to compress both ways)."
+            )
+        if alg in _SHADOW:
+            if down.alpha is None:
+                raise ValueError(
+                    f"{alg[0].upper()}-ELF needs a contractive `downlink` compressor, got "
+                    f"{self.downlink}; use top_k(k) or scaled(...)."
+                )
+        elif not down.is_identity:
+            raise ValueError(
+                f"`downlink`={self.downlink!r} is only used by P-ELF and B-ELF "
+                f"(algorithm={alg!r} broadcasts the dense model)."
+            )
+        if self.w0 not in ("x0", "compressed"):
+            raise ValueError(f"`w0` must be 'x0' or 'compressed', got {self.w0!r}.")
+        if self.w0 == "compressed" and alg not in _SHADOW:
+            raise ValueError("`w0='compressed'` (ELF eq. (3)) needs algorithm 'pelf' or 'belf'.")
+        if self.theta_star and not (alg == "qlsd" and self.variant == "*"):
+            raise ValueError("`theta_star` is only used by QLSD* (algorithm='qlsd', variant='*').")
+        if self.theta_star:
+            try:
+                parsed = json.loads(self.theta_star)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"`theta_star` must be JSON of site values: {err}") from err
+            if not isinstance(parsed, dict) or not parsed:
+                raise ValueError(
+                    "`theta_star` must be a JSON object of constrained site values, e.g. "
+                    "'{\"w\": [0.1, -0.2]}'."
+                )
+        if self.theta_star_method not in _SEARCH_METHODS:
+            raise ValueError(
+                f"`theta_star_method` must be one of {_SEARCH_METHODS} in the deployment (BFGS's "
+                f"line search is not distributed), got {self.theta_star_method!r}."
+            )
+        if self.theta_star_maxiter < 0 or not self.theta_star_gtol > 0:
+            raise ValueError("`theta_star_maxiter` must be >= 0 and `theta_star_gtol` > 0.")
 
     # -- (de)serialisation as flat scalars (Flower ConfigRecord / run_config) -------------
     def to_config(self) -> dict[str, Any]:
@@ -157,7 +264,8 @@ class FlowerSpec:
     @classmethod
     def from_kernel(cls, kernel: Any, model: str, *, num_samples: int, seed: int,
                     **kwargs: Any) -> FlowerSpec:
-        """The spec that reproduces an in-process ``QLSD`` (``#``/``++``) or ``DELF`` kernel.
+        """The spec that reproduces an in-process ``QLSD`` (any variant) or ``ELF`` (D, P, B)
+        kernel.
 
         :param kernel: the in-process kernel.
         :param model: import reference of the kernel's model.
@@ -175,29 +283,44 @@ class FlowerSpec:
             likelihood_weight=float(pot.likelihood_weight[0]), seed=seed,
             participation=getattr(kernel, "participation", 1.0),
         )
-        common.update(kwargs)
         if isinstance(kernel, QLSD):
+            if kernel._custom_oracle is not None:
+                raise ValueError("A custom QLSD `oracle` cannot be deployed (it is not data).")
+            star: dict[str, Any] = {}
+            if kernel.variant == "*":
+                if kernel._theta_star_user is not None:
+                    star["theta_star"] = _theta_star_json(kernel._theta_star_user)
+                opts = dict(kernel.theta_star_kwargs)
+                star.update(theta_star_method=opts.get("method", "bb"),
+                            theta_star_maxiter=int(opts.get("maxiter", 2000)),
+                            theta_star_gtol=float(opts.get("gtol", 1e-5)),
+                            theta_star_lr=float(opts.get("learning_rate", 1e-2)))
+            common.update(star)
+            common.update(kwargs)
             return cls(algorithm="qlsd", variant=kernel.variant, compressor=kernel.compressor.name,
                        memory_rate=kernel.memory_rate, refresh_every=kernel.refresh_every,
                        **common)
-        if isinstance(kernel, ELF) and kernel.variant == "D":
-            return cls(algorithm="delf", compressor=kernel.uplink.name, **common)
+        if isinstance(kernel, ELF):
+            common.update(kwargs)
+            if kernel.variant == "D":
+                return cls(algorithm="delf", compressor=kernel.uplink.name, **common)
+            return cls(algorithm=f"{kernel.variant.lower()}elf", compressor=kernel.uplink.name,
+                       downlink=kernel.downlink.name, w0=kernel.w0, **common)
         raise ValueError(
             f"No Flower deployment for {type(kernel).__name__}: supported are QLSD (variants "
-            "'#' and '++') and D-ELF."
+            "'#', '*' and '++') and ELF (D, P and B)."
         )
 
-
 # ============================================================================ client
-_STATE_FIELDS = ("eta", "zeta", "grad_zeta", "g", "pending")
-
-
 class ClientWorker:
     """A client: its data, its :class:`~numpyro_fed.distributed.client.ClientProblem`, and the
     handling of the server's instructions.
 
     The client's mutable state is a flat dict of numpy arrays and ints passed in and returned
-    by :meth:`handle` (a Flower ``ClientApp`` keeps it in ``context.state``).
+    by :meth:`handle` (a Flower ``ClientApp`` keeps it in ``context.state``): ``eta`` (QLSD
+    memory), ``zeta``/``grad_zeta`` (QLSD++), ``theta_star``/``grad_star`` (QLSD*), ``g`` (D-/B-ELF
+    error feedback), ``w``/``w_round`` (P-/B-ELF shadow model and its round), ``pending`` /
+    ``pending_round`` (the last message, committed when acknowledged).
 
     :param index: the client's index ``i`` in ``0..b-1`` (its position in the in-process
         partition: it selects the client's random keys).
@@ -212,7 +335,8 @@ class ClientWorker:
         self.shared = dict(shared or {})
         self._problem: ClientProblem | None = None
         self._problem_key: tuple | None = None
-        self._codec = None
+        self._codec: WireCodec | None = None
+        self._down: WireCodec | None = None
 
     def schema(self) -> dict[str, Any]:
         """Shapes and dtypes of one row (no values) and the number of rows."""
@@ -229,13 +353,61 @@ class ClientWorker:
                 load_model(spec.model), self.rows, prior_weight=prior_weight,
                 likelihood_weight=spec.likelihood_weight, shared=self.shared, max_size=max_size,
             )
-            self._codec = wire_codec(compressor_from_name(spec.compressor), self._problem.dim)
+            d = self._problem.dim
+            self._codec = codec_for(spec.compressor, d)
+            self._down = codec_for(spec.downlink, d)
             self._problem_key = key
         return self._problem
+
+    @staticmethod
+    def _dense(arrays: Mapping[str, np.ndarray], name: str, dense: WireCodec) -> jax.Array:
+        if name not in arrays:
+            raise ValueError(f"instruction without its {name!r} array")
+        return jnp.asarray(dense.decode(arrays[name])[0])
+
+    def _shadow_update(self, cmd: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
+                       state: dict[str, Any], k: int, dense: WireCodec) -> jax.Array:
+        """Bring the shadow model :math:`w` to round ``k``: a dense :math:`w_k` (``w``) or the
+        compressed updates of rounds ``w_from..k`` (``down``, byte lengths ``down_len``), of
+        which the rounds this client already holds are skipped."""
+        if "w" in arrays:
+            w = self._dense(arrays, "w", dense)
+        else:
+            if "down" not in arrays or "down_len" not in arrays or "w_from" not in cmd:
+                raise ValueError("P-/B-ELF instruction without the model update")
+            lens = np.asarray(arrays["down_len"]).astype(np.int64).ravel()
+            chunks = np.asarray(arrays["down"], np.uint8)
+            start = int(cmd["w_from"])
+            have = int(state.get("w_round", -10)) if "w" in state else -10
+            if lens.size < 1 or np.any(lens < 0) or int(lens.sum()) != chunks.size:
+                raise WireFormatError("model updates: lengths do not match the payload")
+            if start + lens.size - 1 != k:
+                raise WireFormatError(f"model updates of rounds {start}.. do not end at {k}")
+            if start > have + 1:
+                raise ValueError(
+                    f"model updates start at round {start} but this client holds round {have}: "
+                    "it cannot catch up (the server must send the dense model)"
+                )
+            w = jnp.asarray(state["w"]) if "w" in state else jnp.zeros(self._down.dim,
+                                                                        jnp.float32)
+            offsets = np.concatenate([[0], np.cumsum(lens)])
+            for j in range(lens.size):
+                if start + j <= have:
+                    continue  # already applied (the server did not see our last reply)
+                v, _ = self._down.decode(chunks[offsets[j]:offsets[j + 1]])
+                w = w + jnp.asarray(v)  # the server's float32 addition, in the same order
+        state["w"] = np.asarray(w, np.float32)
+        state["w_round"] = int(k)
+        return jnp.asarray(state["w"])
 
     def handle(self, cmd: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
                state: dict[str, Any]) -> tuple[dict[str, Any], np.ndarray, dict[str, Any]]:
         """Answer one instruction.
+
+        Phases: ``hello`` (index and data schema), ``init`` (ELF: model :math:`w_0` in, dense
+        :math:`\\nabla U_i(w_0)` out), ``grad`` (QLSD* search: dense :math:`\\nabla U_i(\\theta)`),
+        ``star`` (QLSD*: keep :math:`\\theta^\\star`, return :math:`\\nabla U_i(\\theta^\\star)`),
+        ``step`` (one iteration of the kernel).
 
         :param cmd: scalars of the instruction (``phase``, ``round``, ``ack``, ...).
         :param arrays: arrays of the instruction (``theta`` dense payload, ``key``, ...).
@@ -256,10 +428,21 @@ class ClientWorker:
         d = prob.dim
         dense = dense_codec(d)
         state = dict(state)
-        theta = jnp.asarray(dense.decode(arrays["theta"])[0])
         k = int(cmd["round"])
-        if phase == "init":  # D-ELF: dense g_i = grad U_i(w_0), applied at once (retried if lost)
-            g = np.asarray(prob.full_grad(theta), np.float32)
+        if phase in ("grad", "star"):  # QLSD*: search round / g* round, dense gradients
+            theta = self._dense(arrays, "theta", dense)
+            grad = np.asarray(prob.full_grad(theta), np.float32)
+            payload, bits, dec = dense.compress(None, grad)
+            if phase == "star":
+                state.update(theta_star=np.asarray(theta, np.float32), grad_star=dec)
+            return {"phase": phase, "round": k, "bits": bits}, payload, state
+        if phase == "init":  # ELF: dense g_i = grad U_i(w_0), applied at once (retried if lost)
+            if spec.algorithm in _SHADOW:  # w_0 = x_0 (dense) or 0 + Q^P(x_0 - 0)
+                state.update(w=np.zeros(d, np.float32), w_round=-2)
+                w = self._shadow_update(cmd, arrays, state, -1, dense)
+            else:
+                w = self._dense(arrays, "theta", dense)
+            g = np.asarray(prob.full_grad(w), np.float32)
             payload, bits, g_dec = dense.compress(None, g)
             state.update(g=g_dec, pending=np.zeros(0, np.float32), pending_round=-10)
             return {"phase": "init", "round": k, "bits": bits}, payload, state
@@ -275,47 +458,72 @@ class ClientWorker:
                 state["eta"] = (state["eta"] + np.float32(spec.memory_rate) * pending).astype(
                     np.float32
                 )
-            elif spec.algorithm == "delf":
+            elif spec.algorithm in ("delf", "belf"):
                 state["g"] = (state["g"] + pending).astype(np.float32)
         state["pending"] = np.zeros(0, np.float32)
         state["pending_round"] = -10
         k_alg = random.wrap_key_data(jnp.asarray(arrays["key"], jnp.uint32))
         n = spec.batch_size or None
         if spec.algorithm == "qlsd":
-            k_batch, k_comp = random.split(k_alg)
-            kb = client_key(k_batch, self.index, b)
-            if spec.variant == "++" and n is not None:
-                if bool(cmd["refresh"]):
-                    state["zeta"] = np.asarray(theta, np.float32)
-                    state["grad_zeta"] = np.asarray(prob.full_grad(theta), np.float32)
-                    state["zeta_round"] = k
-                elif "zeta" in arrays:
-                    zeta = jnp.asarray(dense.decode(arrays["zeta"])[0])
-                    state["zeta"] = np.asarray(zeta, np.float32)
-                    state["grad_zeta"] = np.asarray(prob.full_grad(zeta), np.float32)
-                    state["zeta_round"] = int(cmd["zeta_round"])
-                h = prob.batch_grad_diff(kb, theta, jnp.asarray(state["zeta"]), n) + jnp.asarray(
-                    state["grad_zeta"]
-                )
-            else:
-                h = prob.oracle(kb, theta, n)
-            if spec.memory_rate > 0:
-                eta = state.get("eta")
-                if eta is None or eta.size == 0:
-                    eta = state["eta"] = np.zeros(d, np.float32)
-                h = h - jnp.asarray(eta)
-            kc = client_key(k_comp, self.index, b)
+            theta = self._dense(arrays, "theta", dense)
+            h, kc = self._qlsd_message(spec, prob, cmd, arrays, state, theta, k_alg, k, n, dense)
         else:
             k_batch, _, k_up = random.split(k_alg, 3)
-            h = prob.oracle(client_key(k_batch, self.index, b), theta, n) - jnp.asarray(state["g"])
+            if spec.algorithm == "delf":
+                model = self._dense(arrays, "theta", dense)
+            else:
+                model = self._shadow_update(cmd, arrays, state, k, dense)
+            h = prob.oracle(client_key(k_batch, self.index, b), model, n)
+            if spec.algorithm != "pelf":  # EF21: compress the change of the estimator
+                h = h - jnp.asarray(state["g"])
             kc = client_key(k_up, self.index, b)
         payload, bits, dec = self._codec.compress(kc, h)
-        state["pending"] = dec
-        state["pending_round"] = k
+        if spec.algorithm != "pelf":
+            state["pending"] = dec
+            state["pending_round"] = k
         return {"phase": "step", "round": k, "bits": int(bits)}, payload, state
+
+    def _qlsd_message(self, spec, prob, cmd, arrays, state, theta, k_alg, k, n, dense):
+        """QLSD#/*/++: the oracle :math:`H_i(\\theta)` (minus the memory :math:`\\eta_i`) and
+        the compression key (QLSD Alg. 1-2)."""
+        b, d = spec.num_clients, prob.dim
+        k_batch, k_comp = random.split(k_alg)
+        kb = client_key(k_batch, self.index, b)
+        if spec.variant == "++" and n is not None:
+            if bool(cmd["refresh"]):
+                state["zeta"] = np.asarray(theta, np.float32)
+                state["grad_zeta"] = np.asarray(prob.full_grad(theta), np.float32)
+                state["zeta_round"] = k
+            elif "zeta" in arrays:
+                zeta = jnp.asarray(dense.decode(arrays["zeta"])[0])
+                state["zeta"] = np.asarray(zeta, np.float32)
+                state["grad_zeta"] = np.asarray(prob.full_grad(zeta), np.float32)
+                state["zeta_round"] = int(cmd["zeta_round"])
+            h = prob.batch_grad_diff(kb, theta, jnp.asarray(state["zeta"]), n) + jnp.asarray(
+                state["grad_zeta"]
+            )
+        elif spec.variant == "*":
+            if "theta_star" not in state:
+                raise ValueError("QLSD* step before the theta* round: the client lost its state")
+            if n is None:
+                h = prob.full_grad(theta) - jnp.asarray(state["grad_star"])
+            else:
+                h = prob.batch_grad_diff(kb, theta, jnp.asarray(state["theta_star"]), n)
+        else:
+            h = prob.oracle(kb, theta, n)
+        if spec.memory_rate > 0:
+            eta = state.get("eta")
+            if eta is None or eta.size == 0:
+                eta = state["eta"] = np.zeros(d, np.float32)
+            h = h - jnp.asarray(eta)
+        return h, client_key(k_comp, self.index, b)
 
 
 # ============================================================================ server
+_SETUP_KEYS = ("up_declared", "up_payload", "up_wire", "down_declared", "down_payload",
+               "down_wire", "rounds")
+
+
 @dataclass
 class Reply:
     """A client's reply as received by the server (``error`` set when it carried none)."""
@@ -351,10 +559,22 @@ class RoundLog:
     bits_down_payload: list[int] = field(default_factory=list)
     bits_down_wire: list[int] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
+    #: P-/B-ELF catch-ups: ``(round, client, "replay" | "dense", rounds missed)``.
+    catchups: list[tuple[int, int, str, int]] = field(default_factory=list)
 
 
 class ServerCoordinator:
-    """The server of a deployment: QLSD#/QLSD++ or D-ELF's server step over a transport.
+    """The server of a deployment: the server step of QLSD (#, *, ++) or ELF (D, P, B) over a
+    transport.
+
+    After :meth:`run`: ``draws`` ``(num_samples, d)``, ``log`` (:class:`RoundLog`, per step),
+    ``setup_bits`` (bits of the one-off rounds: ELF's initial gradients, QLSD*'s search and
+    :math:`g^\\star` round; declared / payload / wire, up / down), ``init_bits``
+    (``(up, down)`` declared bits of those rounds), ``theta_star`` / ``g_star`` /
+    ``theta_star_search`` (QLSD*), ``shadow_models`` (P-/B-ELF: the server's :math:`w_k` of
+    every round), ``applied`` (per client, the last round whose message was applied) and
+    ``server_state`` (``eta``, ``g``, ``w``, ``g_local``: P-ELF's stale dense :math:`g_i`,
+    ``known``: the last round each client is known to hold :math:`w` for).
 
     :param spec: the :class:`FlowerSpec`.
     :param transport: a :class:`Transport`.
@@ -376,6 +596,12 @@ class ServerCoordinator:
         self.wait_nodes = wait_nodes
         self._sleep = sleep
         self.log = RoundLog()
+        self.setup_bits = dict.fromkeys(_SETUP_KEYS, 0)
+        self.init_bits = (0, 0)
+        self.theta_star: jax.Array | None = None
+        self.g_star: jax.Array | None = None
+        self.theta_star_search: Any = None
+        self.shadow_models: np.ndarray | None = None
 
     # -- helpers ------------------------------------------------------------------------
     def _discover(self) -> None:
@@ -471,6 +697,189 @@ class ServerCoordinator:
             self._configured[i] = True
         return out
 
+    # -- one-off rounds ---------------------------------------------------------------------
+    def _dense_round(self, phase: str, round_: int, arrays: Mapping[str, np.ndarray],
+                     declared: int, *, what: str, **cmd_extra: Any) -> np.ndarray:
+        """A setup round in which *every* client returns a dense vector (ELF's initial
+        gradients, QLSD*'s search and :math:`g^\\star` rounds); clients that do not answer are
+        asked again, 3 attempts in all. Its bits go to :attr:`setup_bits`.
+
+        :param arrays: the arrays sent to each client; ``declared`` their declared bits.
+        :return: the ``(b, d)`` replies in client order.
+        :raises RuntimeError: when a client has not answered after 3 attempts.
+        """
+        b, spec, sb = self.spec.num_clients, self.spec, self.setup_bits
+        dense = dense_codec(self.potential.dim)
+        payload_bits = 8 * sum(int(a.size) for n, a in arrays.items() if n != "down_len")
+        got: dict[int, np.ndarray] = {}
+        for attempt in range(3):
+            todo = [i for i in range(b) if i not in got]
+            if not todo:
+                break
+            requests = {self.node_of[i]: (self._cmd(phase, round_, i, **cmd_extra), dict(arrays))
+                        for i in todo}
+            sb["down_declared"] += declared * len(todo)
+            sb["down_payload"] += payload_bits * len(todo)
+            replies, sent = self.transport.exchange(requests, phase, round_, spec.round_timeout)
+            sb["down_wire"] += 8 * int(sum(sent.values()))
+            for i, (dec, nbits, wire) in self._receive(replies, todo, phase, round_,
+                                                       dense).items():
+                got[i] = dec
+                sb["up_declared"] += nbits
+                sb["up_payload"] += 8 * int(replies[self.node_of[i]].payload.size)
+                sb["up_wire"] += 8 * wire
+            if attempt < 2 and len(got) < b:
+                log.warning("%s: clients %s missing, retrying", what,
+                            sorted(set(range(b)) - set(got)))
+        if len(got) < b:
+            raise RuntimeError(
+                f"{what} needs every client's dense reply; clients "
+                f"{sorted(set(range(b)) - set(got))} did not answer 3 attempts"
+            )
+        sb["rounds"] += 1
+        return np.stack([got[i] for i in range(b)])
+
+    def _init_elf(self, key: jax.Array, x: jax.Array, dense: WireCodec,
+                  down: WireCodec | None) -> tuple[jax.Array, jax.Array]:
+        """ELF's initial round (Alg. 1-3): :math:`w_0` to every client -- dense :math:`x_0`, or
+        :math:`\\mathcal{Q}^P(x_0)` (eq. (3), key ``fold_in(key, 2)`` as in process) -- and
+        dense :math:`g_i = \\nabla U_i(w_0)` back. Return :math:`w_0` and the ``(b, d)``
+        gradients."""
+        shadow = self.spec.algorithm in _SHADOW
+        cmd: dict[str, Any] = {}
+        if shadow and self.spec.w0 == "compressed":
+            zeros = jnp.zeros_like(x)
+            payload, bits, dec = down.compress(random.fold_in(key, 2), x - zeros)
+            w = zeros + jnp.asarray(dec)
+            arrays = {"down": payload, "down_len": np.asarray([payload.size], np.int32)}
+            cmd["w_from"] = -1
+            declared = int(bits)
+        else:
+            w = x
+            arrays = {"w" if shadow else "theta": dense.compress(None, x)[0]}
+            declared = 32 * self.potential.dim
+        grads = self._dense_round("init", -1, arrays, declared,
+                                  what=f"{self.spec.algorithm.upper()} init", **cmd)
+        self.init_bits = (self.setup_bits["up_declared"], self.setup_bits["down_declared"])
+        return w, jnp.asarray(grads)
+
+    def _theta_star(self, key: jax.Array, dense: WireCodec) -> jax.Array:
+        """QLSD*: :math:`\\theta^\\star` (given, or the federated search) and the round that
+        collects :math:`\\nabla U_i(\\theta^\\star)`; return :math:`g^\\star`."""
+        from numpyro_fed.kernels.qlsd import ThetaStarSearch
+
+        spec, pot = self.spec, self.potential
+        if spec.theta_star:
+            value = json.loads(spec.theta_star)
+            if list(value) == [""]:
+                if len(pot.latent_names) != 1:
+                    raise ValueError(
+                        "`theta_star` must name the model's sites "
+                        f"{list(pot.latent_names)}; a bare array is accepted only for one site."
+                    )
+                value = {pot.latent_names[0]: value[""]}
+            theta = pot.unconstrain({k: np.asarray(v) for k, v in value.items()})
+            theta = jnp.asarray(theta, pot.dtype)
+            search = ThetaStarSearch("user", 0, 0, 0, float("nan"), True)
+        else:
+            if spec.init == "zeros":
+                x0 = jnp.zeros(pot.dim, pot.dtype)
+            else:
+                x0 = pot.init_params(random.fold_in(key, 11))
+            theta, search = self._search_theta_star(jnp.asarray(x0, pot.dtype), dense)
+        payload = dense.compress(None, theta)[0]
+        grads = jnp.asarray(self._dense_round("star", -1, {"theta": payload}, 32 * pot.dim,
+                                              what="QLSD* g* round"))
+        g_star = jnp.sum(grads, 0)
+        gnorm = float(jnp.linalg.norm(g_star + pot.server_grad(theta)))
+        scale = float(jnp.sqrt(jnp.sum(grads**2)))
+        if gnorm > 1e-2 * max(1.0, scale):
+            log.warning("QLSD*: ||grad U(theta*)|| = %.3g is large (clients' gradients at theta* "
+                        "have norm %.3g); the chain stays unbiased since g* is added on the "
+                        "server", gnorm, scale)
+        self.theta_star, self.g_star = theta, g_star
+        self.theta_star_search = search._replace(grad_norm=gnorm)
+        return g_star
+
+    def _search_theta_star(self, x0: jax.Array, dense: WireCodec) -> tuple[jax.Array, Any]:
+        """:func:`~numpyro_fed.kernels.qlsd.find_theta_star` (``"bb"`` or ``"adam"``), one
+        round per gradient: the same iteration, stopping rule and bit count as in process,
+        with :math:`\\sum_i \\nabla U_i` summed over the clients' dense replies."""
+        from numpyro_fed.kernels.qlsd import ThetaStarSearch
+
+        spec, pot = self.spec, self.potential
+        b, d = spec.num_clients, pot.dim
+        total = jax.jit(lambda stack, x: jnp.sum(stack, 0) + pot.server_grad(x))
+        rounds = 0
+
+        def grad_u(x):
+            nonlocal rounds
+            stack = self._dense_round("grad", rounds, {"theta": dense.compress(None, x)[0]},
+                                      32 * d, what="QLSD* theta* search")
+            rounds += 1
+            return total(jnp.asarray(stack), x)
+
+        x = x0
+        g = grad_u(x)
+        gnorm = jnp.linalg.norm(g)
+        tol = spec.theta_star_gtol * jnp.maximum(1.0, gnorm)
+        g_start = float(gnorm)
+        x_prev, g_prev = x, g
+        m = v = jnp.zeros_like(x)
+        k = 0
+        while k < spec.theta_star_maxiter and bool((gnorm > tol) & jnp.isfinite(gnorm)):
+            if spec.theta_star_method == "bb":
+                x_new = _bb_step(jnp.int32(k), x, x_prev, g_prev, g, gnorm)
+                x_prev, g_prev, x = x, g, x_new
+            else:
+                x, m, v = _adam_step(jnp.int32(k), x, m, v, g, spec.theta_star_lr)
+            g = grad_u(x)
+            gnorm = jnp.linalg.norm(g)
+            k += 1
+        g_final = float(gnorm)
+        info = ThetaStarSearch(
+            method=spec.theta_star_method, rounds=rounds, bits_up=rounds * b * 32 * d,
+            bits_down=rounds * b * 32 * d, grad_norm=g_final,
+            converged=bool(np.isfinite(g_final)
+                           and g_final <= spec.theta_star_gtol * max(1.0, g_start) * 1.0001),
+        )
+        return x, info
+
+    # -- P-/B-ELF downlink --------------------------------------------------------------------
+    def _shadow_request(self, i: int, k: int, known: np.ndarray, hist: dict[int, tuple],
+                        w_dense: Callable[[], np.ndarray]) -> tuple[dict, dict, int, int]:
+        """The model update for client ``i`` in round ``k``: the compressed updates of the
+        rounds it misses (``known[i]+1..k``) or, when that is incomplete or costs at least a
+        dense model, :math:`w_k` dense. Return ``(cmd extras, arrays, declared bits, payload
+        bits)``."""
+        d = self.potential.dim
+        rounds = range(int(known[i]) + 1, k + 1)
+        complete = all(r in hist for r in rounds)
+        chain_bits = sum(hist[r][1] for r in rounds) if complete else math.inf
+        if len(rounds) > 1:
+            kind = "dense" if chain_bits >= 32 * d else "replay"
+            self.log.catchups.append((k, i, kind, len(rounds) - 1))
+            if kind == "dense":
+                payload = w_dense()
+                return {}, {"w": payload}, 32 * d, 8 * int(payload.size)
+        chunks = [hist[r][0] for r in rounds]
+        arrays = {"down": np.concatenate(chunks).astype(np.uint8),
+                  "down_len": np.asarray([c.size for c in chunks], np.int32)}
+        return {"w_from": rounds.start}, arrays, int(chain_bits), 8 * int(arrays["down"].size)
+
+    @staticmethod
+    def _prune(hist: dict[int, tuple], known: np.ndarray, dense_bits: int) -> None:
+        """Keep only the updates some client may still get replayed: rounds after the oldest
+        round a client is known to hold, and not those whose replay would cost at least a
+        dense model anyway."""
+        for r in [r for r in hist if r <= int(known.min())]:
+            del hist[r]
+        total = sum(bits for _, bits in hist.values())
+        for r in sorted(hist):
+            if total - hist[r][1] < dense_bits:
+                break
+            total -= hist.pop(r)[1]
+
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> np.ndarray:
         """Run ``spec.num_samples`` steps; return the flat draws ``(num_samples, d)``."""
@@ -480,7 +889,10 @@ class ServerCoordinator:
         pot, b = self.potential, spec.num_clients
         d = pot.dim
         dense = dense_codec(d)
-        codec = wire_codec(compressor_from_name(spec.compressor), d)
+        codec = codec_for(spec.compressor, d)
+        alg = spec.algorithm
+        shadow = alg in _SHADOW
+        down = codec_for(spec.downlink, d) if shadow else None
         key = random.key(spec.seed)
         if self.init_params is not None:
             ip = self.init_params
@@ -496,50 +908,81 @@ class ServerCoordinator:
         rng_key = key
         applied = np.full(b, -1, np.int64)  # last round whose message was applied, per client
         alpha = spec.memory_rate
-        uses_zeta = spec.algorithm == "qlsd" and spec.variant == "++" and spec.batch_size > 0
+        uses_zeta = alg == "qlsd" and spec.variant == "++" and spec.batch_size > 0
         zeta, zeta_round = x, -1
         client_zeta = np.full(b, -2, np.int64)
         eta = jnp.zeros(d, jnp.float32)
-        g = None
-        if spec.algorithm == "delf":
-            g = self._init_delf(x, dense)
+        offset = jnp.zeros(d, jnp.float32)
+        g = w = table = None
+        if alg == "qlsd" and spec.variant == "*":
+            offset = self._theta_star(key, dense)
+        if alg != "qlsd":
+            w, table = self._init_elf(key, x, dense, down)
+            g = jnp.sum(table, 0)
+        known = np.full(b, -1, np.int64)  # P-/B-ELF: last round each client holds w for
+        hist: dict[int, tuple[np.ndarray, int]] = {}
         draws = np.zeros((spec.num_samples, d), np.float32)
+        if shadow:
+            self.shadow_models = np.zeros((spec.num_samples, d), np.float32)
         for k in range(spec.num_samples):
             rng_key, k_noise, k_alg = random.split(rng_key, 3)
             if spec.participation < 1.0:
                 asked = np.asarray(participation_mask(k_alg, spec.participation, b))
             else:
                 asked = np.ones(b, bool)
+            asked_ids = np.flatnonzero(asked).tolist()
             key_data = np.asarray(random.key_data(k_alg), np.uint32)
-            if spec.algorithm == "delf":
-                x_send = move(k_noise, x, server_grad(x) + g)
-            else:
-                x_send = x
-                if uses_zeta and k % spec.refresh_every == 0:
-                    zeta, zeta_round = x, k
-            theta_payload = dense.compress(None, x_send)[0]
             requests, down_declared, down_payload = {}, 0, 0
-            for i in np.flatnonzero(asked).tolist():
-                arrays = {"theta": theta_payload, "key": key_data}
-                refresh = uses_zeta and zeta_round == k
-                down_declared += 32 * d
-                down_payload += 8 * theta_payload.size
-                if uses_zeta and not refresh and client_zeta[i] != zeta_round:
-                    arrays["zeta"] = dense.compress(None, zeta)[0]
+            if shadow:
+                x_send = move(k_noise, x, server_grad(x) + g)
+                k_down = random.split(k_alg, 3)[1]
+                payload, bits, dec = down.compress(k_down, x_send - w)
+                w = w + jnp.asarray(dec)
+                hist[k] = (payload, int(bits))
+                cache: list[np.ndarray] = []
+
+                def w_dense(w=w, cache=cache):
+                    if not cache:
+                        cache.append(dense.compress(None, w)[0])
+                    return cache[0]
+
+                for i in asked_ids:
+                    extra, arrays, declared, pay = self._shadow_request(i, k, known, hist, w_dense)
+                    down_declared += declared
+                    down_payload += pay
+                    requests[self.node_of[i]] = (
+                        self._cmd("step", k, i, ack=int(applied[i]), **extra),
+                        {**arrays, "key": key_data},
+                    )
+            else:
+                if alg == "delf":
+                    x_send = move(k_noise, x, server_grad(x) + g)
+                else:
+                    x_send = x
+                    if uses_zeta and k % spec.refresh_every == 0:
+                        zeta, zeta_round = x, k
+                theta_payload = dense.compress(None, x_send)[0]
+                for i in asked_ids:
+                    arrays = {"theta": theta_payload, "key": key_data}
+                    refresh = uses_zeta and zeta_round == k
                     down_declared += 32 * d
-                    down_payload += 8 * arrays["zeta"].size
-                requests[self.node_of[i]] = (
-                    self._cmd("step", k, i, ack=int(applied[i]), refresh=bool(refresh),
-                              zeta_round=int(zeta_round)),
-                    arrays,
-                )
+                    down_payload += 8 * theta_payload.size
+                    if uses_zeta and not refresh and client_zeta[i] != zeta_round:
+                        arrays["zeta"] = dense.compress(None, zeta)[0]
+                        down_declared += 32 * d
+                        down_payload += 8 * arrays["zeta"].size
+                    requests[self.node_of[i]] = (
+                        self._cmd("step", k, i, ack=int(applied[i]), refresh=bool(refresh),
+                                  zeta_round=int(zeta_round)),
+                        arrays,
+                    )
             replies, sent = self.transport.exchange(requests, "step", k, spec.round_timeout)
-            got = self._receive(replies, np.flatnonzero(asked).tolist(), "step", k, codec)
+            got = self._receive(replies, asked_ids, "step", k, codec)
             present = np.zeros(b, bool)
             present[list(got)] = True
             order = sorted(got)
             msgs = jnp.asarray(np.stack([got[i][0] for i in order])) if order else None
-            if spec.algorithm == "qlsd":
+            if alg == "qlsd":
                 if msgs is None:
                     total = jnp.zeros(d, jnp.float32)
                 elif len(order) == b:
@@ -552,14 +995,29 @@ class ServerCoordinator:
                         eta = eta + alpha * jnp.sum(msgs, 0)
                 else:
                     gk = total
-                x = move(k_noise, x, gk + 0.0 + server_grad(x))
-            else:
+                x = move(k_noise, x, gk + offset + server_grad(x))
+            elif alg == "pelf":  # the server keeps every client's last dense g_i
+                if len(order) == b and spec.participation == 1.0:
+                    table = msgs
+                    g = jnp.sum(table, 0)
+                elif msgs is not None:
+                    new = table.at[jnp.asarray(order)].set(msgs)
+                    g = g + jnp.sum(new - table, 0)
+                    table = new
+                x = x_send
+            else:  # D-/B-ELF: g += sum of the applied EF21 corrections (absent: 0)
                 if msgs is not None:
-                    g = g + jnp.sum(msgs, 0)
+                    c = msgs if len(order) == b else jnp.zeros((b, d), jnp.float32).at[
+                        jnp.asarray(order)].set(msgs)
+                    g = g + jnp.sum(c, 0)
                 x = x_send
             if uses_zeta:
                 client_zeta[present] = zeta_round
             applied[present] = k
+            if shadow:
+                known[present] = k
+                self._prune(hist, known, 32 * d)
+                self.shadow_models[k] = np.asarray(w)
             if not bool(jnp.all(jnp.isfinite(x))):
                 raise FloatingPointError(
                     f"the chain became non-finite at round {k}; reduce step_size"
@@ -572,46 +1030,48 @@ class ServerCoordinator:
             lg.bits_up_payload.append(int(sum(8 * replies[self.node_of[i]].payload.size
                                               for i in order)))
             lg.bits_up_wire.append(int(sum(8 * got[i][2] for i in order)))
-            lg.bits_down_declared.append(down_declared)
-            lg.bits_down_payload.append(down_payload)
+            lg.bits_down_declared.append(int(down_declared))
+            lg.bits_down_payload.append(int(down_payload))
             lg.bits_down_wire.append(int(8 * sum(sent.values())))
         self.draws = draws
         self.applied = applied
-        self.server_state = {"eta": np.asarray(eta), "g": None if g is None else np.asarray(g)}
+        self.server_state = {
+            "eta": np.asarray(eta), "g": None if g is None else np.asarray(g),
+            "w": None if w is None or not shadow else np.asarray(w),
+            "g_local": np.asarray(table) if alg == "pelf" else None,
+            "known": known if shadow else None,
+        }
         return draws
 
-    def _init_delf(self, x: jax.Array, dense) -> jax.Array:
-        """D-ELF's initial round: :math:`w_0 = x_0` to every client, dense
-        :math:`g_i = \\nabla U_i(x_0)` back; retried (3 times) for clients that do not answer."""
-        b, spec = self.spec.num_clients, self.spec
-        payload = dense.compress(None, x)[0]
-        grads: dict[int, np.ndarray] = {}
-        for attempt in range(3):
-            todo = [i for i in range(b) if i not in grads]
-            if not todo:
-                break
-            requests = {self.node_of[i]: (self._cmd("init", -1, i), {"theta": payload})
-                        for i in todo}
-            replies, _ = self.transport.exchange(requests, "init", -1, spec.round_timeout)
-            for i, (dec, _, _) in self._receive(replies, todo, "init", -1, dense).items():
-                grads[i] = dec
-            if attempt < 2 and len(grads) < b:
-                log.warning("D-ELF init: clients %s missing, retrying",
-                            sorted(set(range(b)) - set(grads)))
-        if len(grads) < b:
-            raise RuntimeError(
-                f"D-ELF needs every client's initial gradient; clients "
-                f"{sorted(set(range(b)) - set(grads))} did not answer 3 initial rounds"
-            )
-        self.init_bits = (32 * self.potential.dim * b, 32 * self.potential.dim * b)
-        return jnp.sum(jnp.asarray(np.stack([grads[i] for i in range(b)])), 0)
-
     def wire_summary(self) -> dict[str, float]:
-        """Totals over the run: declared vs payload vs full-message bits, both ways."""
+        """Totals over the run: declared vs payload vs full-message bits, both ways, per step
+        and (``setup_*``) of the one-off rounds."""
         lg = self.log
         return {k: float(np.sum(getattr(lg, k))) for k in (
             "bits_up_declared", "bits_up_payload", "bits_up_wire",
             "bits_down_declared", "bits_down_payload", "bits_down_wire")} | {
             "rounds": len(lg.asked), "rejected": len(lg.rejected),
             "mean_participants": float(np.mean([p.sum() for p in lg.participants]))
-            if lg.participants else math.nan}
+            if lg.participants else math.nan} | {
+            f"setup_{k}": float(v) for k, v in self.setup_bits.items()}
+
+
+@jax.jit
+def _bb_step(k, x, x_prev, g_prev, g, gnorm):
+    """One Barzilai--Borwein step of :func:`~numpyro_fed.kernels.qlsd.find_theta_star`."""
+    s, y = x - x_prev, g - g_prev
+    sy = jnp.vdot(s, y)
+    first = 1e-3 * jnp.maximum(1.0, jnp.linalg.norm(x)) / jnp.maximum(gnorm, 1e-30)
+    lr = jnp.where((k > 0) & (sy > 0), jnp.vdot(s, s) / jnp.where(sy > 0, sy, 1.0), first)
+    return x - lr * g
+
+
+@jax.jit
+def _adam_step(k, x, m, v, g, learning_rate):
+    """One Adam step of :func:`~numpyro_fed.kernels.qlsd.find_theta_star`."""
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g**2
+    t = (k + 1).astype(x.dtype)
+    x = x - learning_rate * (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps)
+    return x, m, v
