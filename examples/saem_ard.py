@@ -126,15 +126,16 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
                 res = fit_or_none(saem, key, Xtr, ytr)
                 t_fit = time.perf_counter() - t0
                 if res is None:
-                    lpd, acc, acc_lpd, pruned = -np.inf, np.nan, np.nan, np.nan
+                    lpd, acc, acc_lpd, pruned, tau_max = -np.inf, np.nan, np.nan, np.nan, np.nan
                 else:
                     tau = np.asarray(res.params["tau"])
                     lpd, acc_lpd = posterior_lpd(random.fold_in(key, 7), tau, Xtr, ytr, Xte,
                                                  yte, a.warmup, a.samples)
                     acc = float(res.trajectory["accept_rate"].mean())
                     pruned = int(np.sum(tau < 0.01))
+                    tau_max = float(np.max(tau))
                 rows.append({"split": split, "kernel": kernel.upper(), "step": eta, "lpd": lpd,
-                             "accept": acc, "pruned (tau<0.01)": pruned,
+                             "accept": acc, "pruned (tau<0.01)": pruned, "max tau": tau_max,
                              "LPD-MALA accept": acc_lpd, "fit_s": t_fit})
                 print(f"split {split} {kernel.upper():4s} eta={eta:.0e}: LPD {lpd:.4f}, "
                       f"accept {acc:.3f}, pruned {pruned}, {t_fit:.1f} s")
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
                      "diverged": f"{int((~np.isfinite(g['lpd'])).sum())}/{len(g)}",
                      "accept": float(g["accept"].mean()),
                      "pruned": float(g["pruned (tau<0.01)"].mean()),
+                     "max tau": float(g["max tau"].max()),
                      "fit s": float(g["fit_s"].mean())})
     summ = pd.DataFrame(summ)
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
@@ -169,7 +171,12 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
         "1 for beta0), 1 chain, theta_0 = 1, closed-form Gaussian M-step on tau = "
         f"gamma^(-1/2); test LPD from {a.samples} MALA draws after {a.warmup} adaptation "
         "steps at the fitted gamma; 'pruned' = mean number of features with tau < 0.01; "
-        f"diverged fits count as -inf. Total time {elapsed:.0f} s."
+        "diverged fits count as -inf. ULA's bias grows with its step: beyond the stability "
+        "limit of the stiffest direction its beta draws oscillate with huge amplitude, the "
+        "M-step turns them into huge prior scales tau ('max tau'), and the posterior at such "
+        "tau predicts at random (LPD near log 1/2 = -0.693); MALA rejects those moves (its "
+        "acceptance falls to 0, theta stays near the burn-in estimate) and keeps a useful LPD, "
+        f"the paper's Fig. 4 finding. Total time {elapsed:.0f} s."
     )
     tables = {"lpd_vs_step": summ, "runs": raw}
     write_outputs(a, NAME, tables, fig, "MCMC-SAEM: ARD logistic regression (paper Sec. 5.4)",
