@@ -44,6 +44,7 @@ __all__ = [
     "make_polling_server_app",
     "write_app",
     "make_tls_files",
+    "make_node_keys",
     "run_processes",
     "flower_executables",
 ]
@@ -381,6 +382,32 @@ def make_tls_files(directory: str | os.PathLike,
     return paths
 
 
+def make_node_keys(directory: str | os.PathLike, num_nodes: int) -> list[tuple[Path, Path]]:
+    """EC P-384 key pairs for SuperNode authentication, in OpenSSH format (what
+    ``flower-supernode --auth-supernode-private-key`` and ``flwr supernode register`` read;
+    the same as ``ssh-keygen -t ecdsa -b 384 -N '' -f client_i``).
+
+    :return: ``[(private key, public key)]`` paths, one pair per node.
+    """
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = []
+    for i in range(num_nodes):
+        key = ec.generate_private_key(ec.SECP384R1())
+        priv, pub = out / f"client_{i}", out / f"client_{i}.pub"
+        priv.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.OpenSSH,
+                                           serialization.NoEncryption()))
+        priv.chmod(0o600)
+        pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                      serialization.PublicFormat.OpenSSH))
+        pairs.append((priv, pub))
+    return pairs
+
+
 _EXECUTABLES = ("flower-superlink", "flower-supernode", "flwr", "flwr-clientapp",
                 "flwr-serverapp", "flower-superexec")
 
@@ -607,7 +634,7 @@ def _start_warm(procs: _Processes, work: Path, spec: FlowerSpec) -> Path:
 
 
 def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
-                  workdir: str | os.PathLike, *, tls: bool = False,
+                  workdir: str | os.PathLike, *, tls: bool = False, node_auth: bool = False,
                   timeout: float = 600.0, poll_interval: float = 0.05,
                   warm_clients: bool = True, env: Mapping[str, str] | None = None,
                   on_stopped: Callable[[list[int]], None] | None = None):
@@ -635,6 +662,10 @@ def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
     :param workdir: an empty or scratch directory.
     :param tls: TLS between every process and the SuperLink, with a throwaway CA
         (:func:`make_tls_files`); otherwise ``--insecure``.
+    :param node_auth: SuperNode authentication (needs ``tls``): the SuperLink runs with
+        ``--enable-supernode-auth``, each client's public key (:func:`make_node_keys`) is
+        registered with ``flwr supernode register`` before its SuperNode starts with
+        ``--auth-supernode-private-key``.
     :param timeout: seconds for the whole run.
     :param poll_interval: the ServerApp's polling interval (:class:`PollingGrid`).
     :param warm_clients: fork ClientApp processes from a pre-imported launcher (see above)
@@ -654,6 +685,9 @@ def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
     if len(clients) != spec.num_clients:
         raise ValueError(f"`clients` has {len(clients)} entries but spec.num_clients="
                          f"{spec.num_clients}; pass one mapping of rows per client.")
+    if node_auth and not tls:
+        raise ValueError("`node_auth=True` needs `tls=True` (Flower authenticates SuperNodes "
+                         "only over TLS).")
     work = Path(workdir).resolve()
     home, data, logs = work / "home", work / "data", work / "logs"
     for d in (home, data, logs):
@@ -683,18 +717,27 @@ def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
         {"superlink": {"default": "loopback", "loopback": connection}}))
     procs = _Processes(penv, logs)
     try:
+        auth = ["--enable-supernode-auth"] if node_auth else []
         link, link_log = procs.start("superlink", [
-            exe["flower-superlink"], *link_sec, "--port", str(link_port),
+            exe["flower-superlink"], *link_sec, *auth, "--port", str(link_port),
             "--disable-runtime-dependency-installation"])
         _wait_port(link_port, link, link_log, 60.0)
+        keys = make_node_keys(work / "keys", len(clients)) if node_auth else []
+        for i, (_, pub) in enumerate(keys):
+            reg = subprocess.run([exe["flwr"], "supernode", "register", str(pub), "loopback"],
+                                 env=penv, capture_output=True, text=True, timeout=120)
+            if reg.returncode != 0:
+                raise RuntimeError(f"registering client {i}'s key failed:\n{reg.stdout}"
+                                   f"{reg.stderr}")
         node_env = None
         if warm_clients:
             node_env = {"PATH": f"{_start_warm(procs, work, spec)}{os.pathsep}{penv['PATH']}"}
         for i, (rows, port) in enumerate(zip(clients, node_ports, strict=True)):
             path = data / f"client_{i}.npz"
             np.savez(path, **{k: np.asarray(v) for k, v in rows.items()})
+            auth = ["--auth-supernode-private-key", str(keys[i][0])] if node_auth else []
             procs.start(f"supernode_{i}", [
-                exe["flower-supernode"], *node_sec, "--superlink", f"127.0.0.1:{link_port}",
+                exe["flower-supernode"], *node_sec, *auth, "--superlink", f"127.0.0.1:{link_port}",
                 "--port", str(port), "--node-config", f"partition-id={i} data-path='{path}'"],
                 env=node_env)
         run, run_log = procs.start("flwr_run", [exe["flwr"], "run", str(app), "loopback",
