@@ -3,8 +3,11 @@
 Messages (``message_type="query"``; Flower's Message API, ``flwr>=1.20``):
 
 * server -> client: ``RecordDict({"cmd": ConfigRecord, "arrays": ArrayRecord})`` with the
-  round's scalars (phase, round, ack, refresh, spec) and arrays: ``theta`` (dense float32
-  payload, 32 d bits), ``key`` (the step's 64-bit algorithm key) and, when needed, ``zeta``;
+  round's scalars (phase, round, ack, refresh, w_from, spec) and arrays: ``theta`` (dense
+  float32 payload, 32 d bits), ``key`` (the step's 64-bit algorithm key) and, when needed,
+  ``zeta`` (QLSD++); for P-/B-ELF, instead of ``theta``, the compressed model updates of the
+  rounds ``w_from..round`` (``down``: their payloads back to back, ``down_len``: their byte
+  lengths) or the dense shadow model ``w`` (a catch-up that is cheaper dense);
 * client -> server: ``RecordDict({"meta": ConfigRecord, "reply": ArrayRecord})`` with the
   round, the declared bits and one ``uint8`` ``payload``: the compressed message in the
   bit-exact format of :mod:`numpyro_fed.flower.codecs`. Nothing else leaves a client (the
