@@ -609,8 +609,9 @@ def _warm_launcher(sock_path: str, preload: Sequence[str]) -> None:
                 conn.close()
 
 
-def _start_warm(procs: _Processes, work: Path, spec: FlowerSpec) -> Path:
-    """Start the warm launcher; return the folder of its ``flwr-clientapp`` shim."""
+def _start_warm(procs: _Processes, work: Path, spec: FlowerSpec) -> tuple[Path, Callable]:
+    """Start the warm launcher; return the folder of its ``flwr-clientapp`` shim and a
+    function that waits until the launcher listens."""
     import tempfile
 
     sock = work / "warm.sock"
@@ -620,17 +621,20 @@ def _start_warm(procs: _Processes, work: Path, spec: FlowerSpec) -> Path:
     code = ("import sys; from numpyro_fed.flower.runner import _warm_launcher; "
             "_warm_launcher(sys.argv[1], sys.argv[2:])")
     proc, log = procs.start("warm_launcher", [sys.executable, "-c", code, str(sock), *preload])
-    end = time.monotonic() + 120.0
-    while not sock.exists():
-        if proc.poll() is not None or time.monotonic() > end:
-            raise RuntimeError(f"the warm ClientApp launcher did not start:\n{_tail(log)}")
-        time.sleep(0.05)
     shim_dir = work / "bin"
     shim_dir.mkdir(exist_ok=True)
     shim = shim_dir / "flwr-clientapp"
     shim.write_text(_SHIM.format(python=sys.executable, sock=str(sock)))
     shim.chmod(0o755)
-    return shim_dir
+
+    def wait(timeout: float = 120.0) -> None:
+        end = time.monotonic() + timeout
+        while not sock.exists():
+            if proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"the warm ClientApp launcher did not start:\n{_tail(log)}")
+            time.sleep(0.05)
+
+    return shim_dir, wait
 
 
 def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
@@ -721,17 +725,22 @@ def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
         link, link_log = procs.start("superlink", [
             exe["flower-superlink"], *link_sec, *auth, "--port", str(link_port),
             "--disable-runtime-dependency-installation"])
+        node_env, warm_wait = None, None
+        if warm_clients:  # starts while the SuperLink does
+            shim_dir, warm_wait = _start_warm(procs, work, spec)
+            node_env = {"PATH": f"{shim_dir}{os.pathsep}{penv['PATH']}"}
         _wait_port(link_port, link, link_log, 60.0)
         keys = make_node_keys(work / "keys", len(clients)) if node_auth else []
-        for i, (_, pub) in enumerate(keys):
-            reg = subprocess.run([exe["flwr"], "supernode", "register", str(pub), "loopback"],
-                                 env=penv, capture_output=True, text=True, timeout=120)
-            if reg.returncode != 0:
-                raise RuntimeError(f"registering client {i}'s key failed:\n{reg.stdout}"
-                                   f"{reg.stderr}")
-        node_env = None
-        if warm_clients:
-            node_env = {"PATH": f"{_start_warm(procs, work, spec)}{os.pathsep}{penv['PATH']}"}
+        registering = [  # in parallel: each is a cold start of the flwr CLI
+            procs.start(f"register_{i}", [exe["flwr"], "supernode", "register", str(pub),
+                                          "loopback"])
+            for i, (_, pub) in enumerate(keys)
+        ]
+        for i, (reg, reg_log) in enumerate(registering):
+            if reg.wait(timeout=120) != 0:
+                raise RuntimeError(f"registering client {i}'s key failed:\n{_tail(reg_log)}")
+        if warm_wait is not None:
+            warm_wait()
         for i, (rows, port) in enumerate(zip(clients, node_ports, strict=True)):
             path = data / f"client_{i}.npz"
             np.savez(path, **{k: np.asarray(v) for k, v in rows.items()})
