@@ -10,7 +10,9 @@ Items (each a script of this folder with its own ``--help``; results in
 3. and 5. ``bench_scaling.py`` -- time per step as b, n, d grow 10x / 100x (fitted
    exponents), kernel-state bytes vs N, vectorized throughput with 1, 4, 16 chains;
 4. ``bench_large.py`` -- N = 10^6 logistic regression over 1000 clients: NUTS vs
-   LSD*/LSD++/QLSD 4-bit, wall time to a posterior-accuracy criterion, target ≤ 1/5.
+   LSD*/LSD++/QLSD 4-bit, wall time to a posterior-accuracy criterion, target ≤ 1/5;
+6. ``bench_saem.py`` -- Theophylline MCMC-SAEM: compiled fit vs a Python loop of the same
+   iterations, target < 2 s after compilation.
 
 Default sizes take about 20 minutes on a 2-core CPU; ``--smoke`` runs every item at tiny
 sizes (seconds, for the test suite); ``--full`` uses the issue's full settings for item 4
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_large  # noqa: E402
 import bench_overhead  # noqa: E402
 import bench_peer  # noqa: E402
+import bench_saem  # noqa: E402
 import bench_scaling  # noqa: E402
 from _common import device_name, md_table, write_result  # noqa: E402
 
@@ -44,11 +47,12 @@ SMOKE = {
     "large": ["--rows", "2000", "--clients", "4", "--dim", "3", "--nuts-warmup", "20",
               "--nuts-samples", "20", "--fed-warmup", "20", "--fed-samples", "40",
               "--kernels", "LSD++"],
+    "saem": ["--iters", "10", "--chains", "1"],
 }
 FULL = {"large": ["--nuts-warmup", "1000", "--nuts-samples", "2000", "--fed-samples", "20000",
                   "--reference", "nuts"]}
 ITEMS = {"overhead": bench_overhead, "peer": bench_peer, "scaling": bench_scaling,
-         "large": bench_large}
+         "large": bench_large, "saem": bench_saem}
 
 
 def _table(md: str, title_start: str | None = None) -> list[list[str]]:
@@ -84,6 +88,10 @@ def headline(name: str, md: str) -> str:
         chains = _table(md, "### Vectorized chains")
         thr = ", ".join(f"{r[0]} chains x{_num(r[3]):.2f}" for r in chains)
         return f"fitted exponents: {ex}. Throughput vs 1 chain: {thr}"
+    if name == "saem":
+        r = _table(md)[0]
+        return (f"Theophylline SAEM, {r[0]} iterations: compiled run {r[2]} s after {r[1]} s "
+                f"compilation; Python loop {r[3]} s ({r[4]}x)")
     if name == "large":
         m = re.search(r"^(Best federated kernel.*|No federated kernel.*)$", md, re.M)
         return m.group(1) if m else ""

@@ -850,6 +850,9 @@ class SAEM:
             theta0 = info.unconstrain_theta(tc)
         else:
             theta0 = info.theta0_u_flat
+        # a strongly typed theta (Python-float initial values are weakly typed): the carry of
+        # the compiled loop keeps one type, so a jitted iteration compiles once
+        theta0 = jnp.asarray(theta0, dtype=jnp.result_type(theta0.dtype))
         return info, theta0
 
     def _init_z(self, key, theta_u, args, kwargs):

@@ -26,7 +26,7 @@ def run_all():
 
 
 def test_run_all_smoke(run_all, tmp_path):
-    items = ["overhead", "large"]
+    items = ["overhead", "large", "saem"]
     summary = run_all.main(["--smoke", "--only", *items, "--out", str(tmp_path)])
     for name in items:
         text = (tmp_path / f"{name}.md").read_text()
@@ -36,6 +36,8 @@ def test_run_all_smoke(run_all, tmp_path):
     assert "| LMC (FederatedLangevin) | 1 |" in overhead
     large = (tmp_path / "large.md").read_text()
     assert "| NUTS (centralised) |" in large and "| LSD++ |" in large
+    assert "| saem | results/saem.md |" in summary and "Theophylline SAEM, 10 iterations" \
+        in summary
     assert (tmp_path / "summary.md").exists()
 
 
