@@ -1,8 +1,8 @@
 """Federated deployment on Flower (``pip install numpyro_fed[flower]``, ``flwr>=1.20``).
 
 Each client is a Flower ``ClientApp`` holding only its own data and per-client state; the
-``ServerApp`` runs the kernel's server step (QLSD#/QLSD++, D-ELF) and returns the draws as
-ArviZ InferenceData with the bits on the wire next to the declared bits. See
+``ServerApp`` runs the kernel's server step (QLSD#/QLSD*/QLSD++, D-/P-/B-ELF) and returns
+the draws as ArviZ InferenceData with the bits on the wire next to the declared bits. See
 ``docs/deployment.md``.
 """
 
@@ -17,6 +17,7 @@ from numpyro_fed.flower.apps import (
 from numpyro_fed.flower.codecs import (
     WireCodec,
     WireFormatError,
+    codec_for,
     compressor_from_name,
     dense_codec,
     wire_codec,
@@ -33,6 +34,7 @@ __all__ = [
     "ServerCoordinator",
     "WireCodec",
     "WireFormatError",
+    "codec_for",
     "compressor_from_name",
     "content_bytes",
     "dense_codec",
