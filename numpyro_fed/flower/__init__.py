@@ -8,6 +8,7 @@ the draws as ArviZ InferenceData with the bits on the wire next to the declared 
 
 from numpyro_fed.flower.apps import (
     GridTransport,
+    PollingGrid,
     content_bytes,
     load_npz_data,
     make_client_app,
@@ -23,7 +24,17 @@ from numpyro_fed.flower.codecs import (
     wire_codec,
 )
 from numpyro_fed.flower.protocol import ClientWorker, FlowerSpec, ServerCoordinator
-from numpyro_fed.flower.runner import FAULTS, LoopbackGrid, run_loopback, to_inference_data
+from numpyro_fed.flower.runner import (
+    FAULTS,
+    LoopbackGrid,
+    flower_executables,
+    make_node_keys,
+    make_tls_files,
+    run_loopback,
+    run_processes,
+    to_inference_data,
+    write_app,
+)
 
 __all__ = [
     "FAULTS",
@@ -31,6 +42,7 @@ __all__ = [
     "FlowerSpec",
     "GridTransport",
     "LoopbackGrid",
+    "PollingGrid",
     "ServerCoordinator",
     "WireCodec",
     "WireFormatError",
@@ -38,11 +50,16 @@ __all__ = [
     "compressor_from_name",
     "content_bytes",
     "dense_codec",
+    "flower_executables",
     "load_npz_data",
     "make_client_app",
+    "make_node_keys",
     "make_server_app",
+    "make_tls_files",
     "run_loopback",
+    "run_processes",
     "serve",
     "to_inference_data",
     "wire_codec",
+    "write_app",
 ]

@@ -20,7 +20,8 @@ The client keeps its state in ``context.state`` (records ``numpyro_fed.arrays`` 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -164,14 +165,65 @@ def serve(grid: Grid, spec: FlowerSpec, **kwargs: Any) -> ServerCoordinator:
     return coord
 
 
+class PollingGrid(Grid):
+    """A ``Grid`` that delegates to ``grid`` but polls for replies every ``interval`` seconds.
+
+    Flower's deployment ``Grid`` waits 3 s between two pulls in ``send_and_receive`` (flwr
+    1.41), which is a 3 s floor per round; a sampler's rounds are milliseconds of work.
+
+    :param grid: the ``Grid`` a ``ServerApp`` receives.
+    :param interval: seconds between two pulls.
+    """
+
+    def __init__(self, grid: Grid, interval: float = 0.05) -> None:
+        if not interval > 0:
+            raise ValueError(f"`interval` must be > 0 seconds, got {interval!r}.")
+        self.grid = grid
+        self.interval = float(interval)
+
+    def set_run(self, run: Any) -> None:
+        self.grid.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self.grid.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        pending = set(self.grid.push_messages(list(messages)))
+        end = None if timeout is None else time.monotonic() + timeout
+        replies: list[Message] = []
+        while pending:
+            got = list(self.grid.pull_messages(pending))
+            replies.extend(got)
+            pending.difference_update(m.metadata.reply_to_message_id for m in got)
+            if not pending or (end is not None and time.monotonic() >= end):
+                break
+            time.sleep(self.interval)
+        return replies
+
+
 def make_server_app(spec: FlowerSpec | None = None, *, output: str | None = None,
-                    **kwargs: Any) -> ServerApp:
+                    poll_interval: float | None = None, **kwargs: Any) -> ServerApp:
     """A Flower ``ServerApp`` running the kernel's server step.
 
     :param spec: the run's :class:`~numpyro_fed.flower.protocol.FlowerSpec`; default: read
         from the run config (``flwr run --run-config``; keys as in ``FlowerSpec``).
     :param output: path of the NetCDF file of the resulting InferenceData; default: the run
         config's ``output`` key (nothing written if absent).
+    :param poll_interval: seconds between two pulls of the clients' replies
+        (:class:`PollingGrid`); default: Flower's own ``Grid`` (3 s between pulls).
     :param kwargs: options of :class:`~numpyro_fed.flower.protocol.ServerCoordinator`.
     """
     app = ServerApp()
@@ -181,6 +233,8 @@ def make_server_app(spec: FlowerSpec | None = None, *, output: str | None = None
         from numpyro_fed.flower.runner import to_inference_data
 
         s = spec or FlowerSpec.from_config(context.run_config)
+        if poll_interval is not None:
+            grid = PollingGrid(grid, poll_interval)
         coord = serve(grid, s, **kwargs)
         path = output or context.run_config.get("output")
         if path:

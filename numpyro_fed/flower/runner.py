@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
-from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp import Grid
 
 from numpyro_fed.flower.apps import make_client_app, serve
 from numpyro_fed.flower.protocol import FlowerSpec, ServerCoordinator
@@ -40,8 +40,6 @@ __all__ = [
     "run_loopback",
     "to_inference_data",
     "FAULTS",
-    "PollingGrid",
-    "make_polling_server_app",
     "write_app",
     "make_tls_files",
     "make_node_keys",
@@ -213,81 +211,10 @@ def to_inference_data(coord: ServerCoordinator):
 
 
 # ====================================================================== real processes
-class PollingGrid(Grid):
-    """A ``Grid`` that delegates to ``grid`` but polls for replies every ``interval`` seconds.
-
-    Flower's deployment ``Grid`` waits 3 s between two pulls in ``send_and_receive`` (flwr
-    1.41), which is a 3 s floor per round; a sampler's rounds are milliseconds of work.
-
-    :param grid: the ``Grid`` a ``ServerApp`` receives.
-    :param interval: seconds between two pulls.
-    """
-
-    def __init__(self, grid: Grid, interval: float = 0.05) -> None:
-        if not interval > 0:
-            raise ValueError(f"`interval` must be > 0 seconds, got {interval!r}.")
-        self.grid = grid
-        self.interval = float(interval)
-
-    def set_run(self, run: Any) -> None:
-        self.grid.set_run(run)
-
-    @property
-    def run(self) -> Any:
-        return self.grid.run
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.grid.get_node_ids()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self.grid.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self.grid.pull_messages(message_ids)
-
-    def send_and_receive(self, messages, *, timeout=None):
-        pending = set(self.grid.push_messages(list(messages)))
-        end = None if timeout is None else time.monotonic() + timeout
-        replies: list[Message] = []
-        while pending:
-            got = list(self.grid.pull_messages(pending))
-            replies.extend(got)
-            pending.difference_update(m.metadata.reply_to_message_id for m in got)
-            if not pending or (end is not None and time.monotonic() >= end):
-                break
-            time.sleep(self.interval)
-        return replies
-
-
-def make_polling_server_app(spec: FlowerSpec | None = None, *, output: str | None = None,
-                            poll_interval: float = 0.05, **kwargs: Any) -> ServerApp:
-    """:func:`~numpyro_fed.flower.apps.make_server_app` over a :class:`PollingGrid`.
-
-    :param spec: the run's spec; default: read from the run config.
-    :param output: NetCDF path of the InferenceData; default: the run config's ``output``.
-    :param poll_interval: seconds between two pulls of the clients' replies.
-    :param kwargs: options of :class:`~numpyro_fed.flower.protocol.ServerCoordinator`.
-    """
-    app = ServerApp()
-
-    @app.main()
-    def main(grid: Grid, context: Context) -> None:
-        s = spec or FlowerSpec.from_config(context.run_config)
-        coord = serve(PollingGrid(grid, poll_interval), s, **kwargs)
-        path = output or context.run_config.get("output")
-        if path:
-            to_inference_data(coord).to_netcdf(str(path))
-
-    return app
-
-
 _SERVER_APP = """\
-from numpyro_fed.flower.runner import make_polling_server_app
+from numpyro_fed.flower import make_server_app
 
-app = make_polling_server_app(poll_interval={poll})
+app = make_server_app(poll_interval={poll})
 """
 _CLIENT_APP = """\
 from numpyro_fed.flower import make_client_app
@@ -302,7 +229,8 @@ def write_app(app_dir: str | os.PathLike, spec: FlowerSpec, output: str | os.Pat
 
     ``pyproject.toml`` (``[tool.flwr.app.components]`` naming ``server_app:app`` and
     ``client_app:app``; ``[tool.flwr.app.config]`` = the keys of ``spec`` plus
-    ``output``), ``server_app.py`` (:func:`make_polling_server_app`) and ``client_app.py``
+    ``output``), ``server_app.py`` (:func:`~numpyro_fed.flower.apps.make_server_app` with
+    ``poll_interval``) and ``client_app.py``
     (:func:`~numpyro_fed.flower.apps.make_client_app`, reading ``partition-id`` and
     ``data-path`` from the SuperNode's ``--node-config``). The code of ``numpyro_fed`` and
     of the model must be importable where the apps run (the app declares no dependency).
@@ -671,7 +599,8 @@ def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
         registered with ``flwr supernode register`` before its SuperNode starts with
         ``--auth-supernode-private-key``.
     :param timeout: seconds for the whole run.
-    :param poll_interval: the ServerApp's polling interval (:class:`PollingGrid`).
+    :param poll_interval: the ServerApp's polling interval
+        (:class:`~numpyro_fed.flower.apps.PollingGrid`).
     :param warm_clients: fork ClientApp processes from a pre-imported launcher (see above)
         instead of Flower's cold ``flwr-clientapp`` start.
     :param env: extra environment variables for every process.
