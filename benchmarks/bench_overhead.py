@@ -12,9 +12,9 @@ For each kernel and for 1 and 4 vectorized chains:
   from the same building blocks (the potential's gradient oracles, the compressor, the
   Langevin move), emitting the draws; no state NamedTuple, no ravel/unravel, no bit
   counters, no divergence check, no NumPyro;
-* ``fused+bits`` -- the fused scan that also emits the per-step coded bits (what the kernel
-  reports as ``bits_up``); only where the bits depend on the data (QLSD's quantiser: its
-  exact Elias code length, which XLA otherwise removes as dead code);
+* ``fused+out`` -- the fused scan that also emits what the kernel reports per step beyond
+  the draws, where XLA would otherwise drop it as dead code: QLSD's exact Elias-coded bits,
+  and :math:`U` for ULA (its default ``potential_energy`` field);
 * ``kernel scan`` -- ``lax.scan`` over ``kernel.sample`` emitting the fields MCMC collects;
 * ``MCMC`` -- ``MCMC(kernel, num_warmup=0, chain_method="vectorized").run``, compilation
   excluded by difference quotient (see :mod:`_common`).
@@ -56,15 +56,16 @@ from numpyro_fed.kernels.qlsd import QLSD  # noqa: E402
 
 GAMMA = 1e-3
 NOTES = """
-Notes. (i) The exact coded-bit count of the quantiser (QLSD rows, `fused+bits` column) is the
-largest per-step cost the kernels add to the bare recursion: `lax.cummax` in
-`compressors.quantize` lowers to a `reduce_window` on CPU; `lax.associative_scan(jnp.maximum,
-...)` gives identical integers 3.4x faster (b = 20, d = 50: 24 -> 7 µs/step; 1.9x at d = 1000).
-(ii) ULA computes U(x) with its gradient every step (state field `potential_energy`, used by
-the divergence check and diagnostics); the fused ULA scan does not need U and XLA drops that
-pass (one `log1p` pass over the data fewer in the compiled HLO), which is the ULA rows' excess;
-MALA, which needs U, has none. (iii) Timings taken on a shared 2-core CPU at load 5-10: single
-ratios are uncertain by about ±30 %.
+Notes. (i) QLSD's kernels report the exact Elias-coded length of every quantised message
+(`compressors.quantize`): gaps between nonzero levels need a running maximum over the
+coordinates (`lax.associative_scan`, 3.4x faster than `lax.cummax` on CPU; a sort-based
+variant measured no faster). That count is most of the QLSD rows' 'MCMC / fused' excess;
+against the fused scan that computes it too ('fused+out') the kernels are within the target.
+(ii) ULA tracks U(x) by default (`potential_energy`, diagnostics); its recursion needs only
+the gradient, and XLA drops U's own arithmetic (one `exp` and one `log1p` per row) from the
+fused ULA scan. `ULA(track_potential=False)` skips it (same draws, bit for bit; tested).
+(iii) Ratios of single rows on a 2-core CPU are uncertain by about ±10% on an idle machine
+and ±30% under load.
 """
 
 
@@ -99,6 +100,8 @@ def make_kernels(part, n: int, bits: int = 4, k: int = 5) -> dict:
     kernels[f"B-ELF top-{k}"] = ELF(logistic_regression, part, variant="B", uplink=top,
                                     downlink=top, **kw)
     kernels["ULA"] = ULA(logistic_regression, step_size=GAMMA)
+    kernels["ULA (track_potential=False)"] = ULA(logistic_regression, step_size=GAMMA,
+                                                 track_potential=False)
     kernels["MALA"] = MALA(logistic_regression, step_size=GAMMA, adapt_step_size=False)
     return kernels
 
@@ -194,9 +197,11 @@ def fused_federated(kern, steps: int, chains: int, with_bits: bool = False):
     return compiled_scan(run, x0, keys)
 
 
-def fused_pooled(model_kwargs: dict, steps: int, chains: int, mala: bool):
+def fused_pooled(model_kwargs: dict, steps: int, chains: int, mala: bool, emit_u: bool = False):
     """ULA / MALA (fixed step) on the pooled model as one scan; the potential is NumPyro's
-    ``potential_fn`` of the model (the same one the kernels differentiate)."""
+    ``potential_fn`` of the model (the same one the kernels differentiate). ``emit_u``: also
+    emit :math:`U` of every draw (what ULA reports by default; otherwise XLA drops it from
+    the ULA scan as dead code)."""
     info = initialize_model(random.PRNGKey(0), logistic_regression, model_kwargs=model_kwargs)
     flat, unravel = ravel_pytree(info.param_info.z)
     pe = lambda x: info.potential_fn(unravel(x))  # noqa: E731
@@ -212,7 +217,7 @@ def fused_pooled(model_kwargs: dict, steps: int, chains: int, mala: bool):
             log_r = u - u_y + (jnp.sum(fwd**2) - jnp.sum(bwd**2)) / (4 * GAMMA)
             acc = jnp.log(random.uniform(k_acc)) < log_r
             y, u_y, g_y = (jnp.where(acc, a, c) for a, c in ((y, x), (u_y, u), (g_y, g)))
-        return (y, u_y, g_y, key), y
+        return (y, u_y, g_y, key), ((y, u_y) if emit_u else y)
 
     def one(key):
         x0 = jnp.zeros_like(flat)
@@ -273,6 +278,9 @@ def main(argv: list[str] | None = None) -> str:
             else:
                 cands["fused"] = (fused_pooled(pooled, args.steps, chains,
                                                isinstance(kern, MALA)), args.steps)
+                if isinstance(kern, ULA) and kern.track_potential:
+                    cands["fused+bits"] = (fused_pooled(pooled, args.steps, chains, False, True),
+                                           args.steps)
             cands["kernel scan"] = (kernel_scan(kern, args.steps, chains, run_kw), args.steps)
             cands["MCMC loop"] = (mcmc_loop_runner(kern, chains, args.steps, run_kw),
                                   args.steps)
@@ -287,9 +295,9 @@ def main(argv: list[str] | None = None) -> str:
                          run / t["fused"]])
             print("  ".join(str(v) if not isinstance(v, float) else f"{v:.3g}"
                             for v in rows[-1]), flush=True)
-    head = ["kernel", "chains", "fused µs/step", "fused+bits µs/step", "kernel scan µs/step",
+    head = ["kernel", "chains", "fused µs/step", "fused+out µs/step", "kernel scan µs/step",
             "MCMC loop µs/step", "kernel scan / fused", "**MCMC / fused** (≤ 1.15)",
-            "MCMC / fused+bits", "MCMC.run µs/step (diff. quotient)", "MCMC.run / fused"]
+            "MCMC / fused+out", "MCMC.run µs/step (diff. quotient)", "MCMC.run / fused"]
     md = (f"### Kernel overhead: MCMC vs hand-fused lax.scan\n\n"
           f"Logistic regression, b = {args.clients} clients × {args.rows} rows, d = {args.dim}, "
           f"minibatch n = {args.batch} (LMC, QLSD), exact gradients (ELF, ULA, MALA on the "
@@ -300,9 +308,10 @@ def main(argv: list[str] | None = None) -> str:
           "bits_up, bits_down) compiled once and timed as an executable, because NumPyro "
           "0.22's MCMC.run recompiles it on every call (2-10 s here); 'MCMC.run' (with "
           "--mcmc-run) times whole calls by difference quotient between K/4 and K samples "
-          "after subtracting the compile time reported by jax.monitoring. 'fused+bits': the "
-          "fused scan also emitting the exact coded bits of the quantiser, which the kernels "
-          "report per step (XLA drops them from the plain fused scan as dead code).\n\n"
+          "after subtracting the compile time reported by jax.monitoring. 'fused+out': the "
+          "fused scan also emitting what the kernel reports per step beyond the draws: the "
+          "exact coded bits of the quantiser (QLSD rows) or U (ULA's default "
+          "`potential_energy`); XLA drops them from the plain fused scan as dead code.\n\n"
           + md_table(head, rows) + NOTES)
     print(md)
     write_result("overhead", md, args.out)

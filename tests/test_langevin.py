@@ -280,3 +280,23 @@ def test_ula_vectorized_chains_and_float32():
     w = mcmc.get_samples(group_by_chain=True)["w"]
     assert w.shape == (3, 200, 3) and w.dtype == jnp.float32
     assert not np.allclose(w[0], w[1])
+
+
+def test_ula_without_potential_same_draws_and_divergence_check():
+    """ULA's recursion uses only grad U: not tracking U changes no draw (bitwise), leaves NaN
+    in `potential_energy`, and a divergence is still reported (through the gradient)."""
+    X, y = logistic_data(3, 100)
+    out = {}
+    for track in (True, False):
+        mcmc = MCMC(ULA(logistic_regression, step_size=1e-3, track_potential=track),
+                    num_warmup=0, num_samples=50, num_chains=2, chain_method="vectorized",
+                    progress_bar=False)
+        mcmc.run(random.PRNGKey(0), X=X, y=y, extra_fields=("potential_energy",))
+        out[track] = (np.asarray(mcmc.get_samples()["w"]),
+                      np.asarray(mcmc.get_extra_fields()["potential_energy"]))
+    np.testing.assert_array_equal(out[True][0], out[False][0])
+    assert np.all(np.isfinite(out[True][1])) and np.all(np.isnan(out[False][1]))
+    mcmc = MCMC(ULA(logistic_regression, step_size=50.0, track_potential=False), num_warmup=0,
+                num_samples=200, progress_bar=False)
+    with pytest.raises(Exception, match=r"non-finite.*step_size=50"):
+        mcmc.run(random.PRNGKey(0), X=X * 100, y=y)
