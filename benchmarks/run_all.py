@@ -59,8 +59,14 @@ def _table(md: str, title_start: str | None = None) -> list[list[str]]:
     """Rows of the first markdown table after a heading starting with ``title_start``."""
     if title_start is not None:
         md = md[md.index(title_start):] if title_start in md else ""
-    rows = [line.strip().strip("|").split("|") for line in md.splitlines()
-            if line.startswith("|") and not line.startswith("|---")]
+    rows, started = [], False
+    for line in md.splitlines():
+        if line.startswith("|"):
+            started = True
+            if not line.startswith("|---"):
+                rows.append(line.strip().strip("|").split("|"))
+        elif started:  # the first table ends here
+            break
     return [[c.strip() for c in r] for r in rows[1:]]
 
 
@@ -117,6 +123,12 @@ def main(argv: list[str] | None = None) -> str:
         rows.append([name, f"results/{name}.md", f"{time.perf_counter() - t0:.0f}",
                      headline(name, md)])
         parts.append(md)
+    out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
+    for name in ITEMS:  # items not run now: their last table, if any
+        path = out_dir / f"{name}.md"
+        if name not in args.only and path.exists():
+            rows.append([name, f"results/{name}.md", "(earlier run)",
+                         headline(name, path.read_text())])
     summary = (f"### Benchmark summary ({device_name()})\n\n"
                + md_table(["item", "table", "run time s", "headline"], rows))
     write_result("summary", summary, args.out)

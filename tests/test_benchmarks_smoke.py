@@ -45,5 +45,11 @@ def test_headline_parsing(run_all):
     md = ("### t\n\n| kernel | chains | a | b | c | d | e | MCMC / fused | f |\n|---|\n"
           "| K1 | 1 | 1 | 1 | 1 | 1 | 1 | 1.05 | 1 |\n| K2 | 4 | 1 | 1 | 1 | 1 | 1 | 1.30 | 1 |\n")
     assert run_all.headline("overhead", md).startswith("MCMC / fused: max 1.30 (K2, 4 chain(s))")
+    scaling = ("### Time per step\n\n| kernel | axis | a | b | c | exponent | e |\n|---|\n"
+               "| LMC | b | 1 | 1 | 1 | 0.81 | 1 |\n\n### Memory\n\n| k | b |\n|---|\n| Q | 1 |\n"
+               "\n### Vectorized chains\n\n| chains | a | b | vs 1 |\n|---|\n"
+               "| 4 | 1 | 1 | 1.04 |\n")
+    assert run_all.headline("scaling", scaling) == \
+        "fitted exponents: LMC b: 0.81. Throughput vs 1 chain: 4 chains x1.04"
     assert run_all.headline("large", "x\nBest federated kernel: **LSD++**, 1 s\n") \
         == "Best federated kernel: **LSD++**, 1 s"
