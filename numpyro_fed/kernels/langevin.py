@@ -229,18 +229,8 @@ class ULA(_ModelLangevinBase):
     chains.
     """
 
-    def __init__(
-        self,
-        model: Callable | None = None,
-        potential_fn: Callable | None = None,
-        *,
-        step_size: float = 1e-3,
-        init_strategy: Callable = init_to_uniform,
-        check_finite: bool = True,
-        track_potential: bool = True,
-    ) -> None:
-        super().__init__(model, potential_fn, step_size=step_size, init_strategy=init_strategy,
-                         check_finite=check_finite)
+    def __init__(self, *args: Any, track_potential: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.track_potential = bool(track_potential)
 
     def _value_and_grad(self, pe, x):
