@@ -95,6 +95,8 @@ class Compressor(NamedTuple):
         :math:`\\mathbb{E}\\|C(v) - v\\|^2 \\le (1 - \\alpha) \\|v\\|^2`; ``None`` if the
         compressor is not contractive.
     :param unbiased: Whether :math:`\\mathbb{E}[C(v)] = v` for every ``v``.
+    :param randomised: Whether ``fn`` uses its key (``False`` for identity and top-k: a
+        kernel may then skip deriving a key for it).
 
     A compressor is called like its ``fn`` and can be mapped directly, e.g.
     ``jax.jit(jax.vmap(comp))(keys, vs)`` compresses a batch of client messages.  To
@@ -110,6 +112,7 @@ class Compressor(NamedTuple):
     omega: Callable[[int], float] | None
     alpha: Callable[[int], float] | None
     unbiased: bool
+    randomised: bool = True
 
     def __call__(self, key: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Compress ``v`` using randomness from ``key``; see :attr:`fn`."""
@@ -227,6 +230,7 @@ def identity(float_bits: int = 32) -> Compressor:
         omega=lambda d: 0.0,
         alpha=lambda d: 1.0,
         unbiased=True,
+        randomised=False,
     )
 
 
@@ -365,6 +369,7 @@ def top_k(k: int, float_bits: int = 32) -> Compressor:
         omega=None,
         alpha=lambda d: k / d,
         unbiased=False,
+        randomised=False,
     )
 
 
@@ -440,6 +445,7 @@ def scaled(compressor: Compressor) -> Compressor:
         omega=None,
         alpha=lambda d: 1.0 / (inner_omega(d) + 1.0),
         unbiased=False,
+        randomised=compressor.randomised,
     )
 
 

@@ -374,3 +374,17 @@ def test_float64_quantize_unbiased():
         v_hat = np.asarray(v_hat)
     se = v_hat.std(0, ddof=1) / math.sqrt(M)
     np.testing.assert_array_less(np.abs(v_hat.mean(0) - np.asarray(v)), N_SE * se + 1e-12)
+
+
+@pytest.mark.parametrize("comp, randomised", [
+    (identity(), False), (top_k(3), False), (scaled(identity()), False),
+    (quantize(bits=2), True), (rand_k(3), True), (scaled(quantize(bits=2)), True),
+])
+def test_randomised_flag_matches_key_use(comp, randomised):
+    """`randomised=False` promises that the key is ignored (kernels then derive none): two
+    keys give the same message exactly; randomised compressors differ on a generic vector."""
+    v = jax.random.normal(jax.random.PRNGKey(0), (20,))
+    a = comp(jax.random.PRNGKey(1), v)[0]
+    b = comp(jax.random.PRNGKey(2), v)[0]
+    assert comp.randomised is randomised
+    assert bool(np.array_equal(np.asarray(a), np.asarray(b))) is not randomised
