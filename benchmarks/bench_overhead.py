@@ -188,13 +188,21 @@ def fused_federated(kern, steps: int, chains: int, with_bits: bool = False):
         x, key, st, bits = step(i, x, key, st)
         return (i + 1, x, key, st), ((x, bits) if with_bits else x)
 
-    def run(x0, keys):
+    partition = data
+
+    def run(x0, keys, data_arg):
+        # the client data enter the compiled scan as an argument, as they enter the kernels
+        # (MCMC passes them in the state): the closures above read `data` when traced here.
+        # Baked in as constants they let XLA specialise the program (measured on the QLSD
+        # Gaussian toy: 94 vs 122 us/step for the same kernel scan), which no user run gets.
+        nonlocal data
+        data = data_arg
         st = jax.vmap(init_st)(x0) if chains > 1 else init_st(x0)
         return lax.scan(body, (0, x0, keys, st), None, length=steps)[1]
 
     keys = random.split(random.PRNGKey(0), chains) if chains > 1 else random.PRNGKey(0)
     x0 = jnp.zeros((chains, d) if chains > 1 else (d,))
-    return compiled_scan(run, x0, keys)
+    return compiled_scan(run, x0, keys, partition)
 
 
 def fused_pooled(model_kwargs: dict, steps: int, chains: int, mala: bool, emit_u: bool = False):
@@ -252,7 +260,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--dim", type=int, default=50)
     p.add_argument("--batch", type=int, default=20)
     p.add_argument("--steps", type=int, default=4000)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--chains", type=int, nargs="+", default=[1, 4])
     p.add_argument("--kernels", nargs="*", default=None, help="substrings of kernel names")
     p.add_argument("--mcmc-run", action="store_true",
