@@ -26,7 +26,7 @@ def run_all():
 
 
 def test_run_all_smoke(run_all, tmp_path):
-    items = ["overhead", "large", "saem"]
+    items = ["overhead", "peer", "large", "saem"]
     summary = run_all.main(["--smoke", "--only", *items, "--out", str(tmp_path)])
     for name in items:
         text = (tmp_path / f"{name}.md").read_text()
@@ -34,6 +34,11 @@ def test_run_all_smoke(run_all, tmp_path):
         assert f"| {name} | results/{name}.md |" in summary
     overhead = (tmp_path / "overhead.md").read_text()
     assert "| LMC (FederatedLangevin) | 1 |" in overhead
+    peer = (tmp_path / "peer.md").read_text()
+    for row in ("| ours | lax.scan |", "| ours | NumPyro MCMC loop |",
+                "| BlackJAX sgld (model log-density) | NumPyro MCMC loop |"):
+        assert row in peer
+    assert "ours / BlackJAX sgld in the same loop: lax.scan " in summary
     large = (tmp_path / "large.md").read_text()
     assert "| NUTS (centralised) |" in large and "| LSD++ |" in large
     assert "| saem | results/saem.md |" in summary and "Theophylline SAEM, 10 iterations" \

@@ -10,6 +10,7 @@ from jax import random
 from numpyro.infer.util import potential_energy
 
 from numpyro_fed import ClientPartition, FederatedPotential
+from numpyro_fed.potential import client_bits
 
 
 def rich_model(X, g, y=None):
@@ -176,6 +177,43 @@ def test_bad_prior_and_weights():
             [{"X": np.ones((3, 3)), "g": np.zeros(3, int), "y": np.ones(3), "Z": np.ones(3)}]))
 
 
+def _threefry_words_reference(key, i, n):
+    """Word j of client i: Threefry-2x32 of the counter pair (i, j), output words XOR-ed,
+    computed with the public hash ``jax.extend.random.threefry_2x32`` (which hashes the pairs
+    (count[k], count[k + len/2]) and returns the two output halves concatenated)."""
+    from jax.extend.random import threefry_2x32
+
+    counts = jnp.concatenate([jnp.full((n,), i, jnp.uint32), jnp.arange(n, dtype=jnp.uint32)])
+    out = threefry_2x32(key, counts)
+    return out[:n] ^ out[n:]
+
+
+def test_client_bits_are_per_client_counter_streams():
+    """`client_bits(key, i, n)` is client i's own stream: the same words whether drawn alone
+    (a deployed client) or with all clients at once (the kernels), equal to the reference
+    hash of the counters (i, j), and different across clients; with a non-Threefry key it
+    falls back to `fold_in(key, i)`."""
+    key = random.PRNGKey(3)
+    together = jax.jit(client_bits, static_argnums=2)(key, jnp.arange(5), 64)
+    for i in range(5):
+        alone = jax.jit(client_bits, static_argnums=2)(key, i, 64)
+        np.testing.assert_array_equal(np.asarray(alone), np.asarray(together[i]))
+        np.testing.assert_array_equal(np.asarray(alone),
+                                      np.asarray(_threefry_words_reference(key, i, 64)))
+    assert len({bytes(np.asarray(r)) for r in together}) == 5
+    # typed keys (what the Flower protocol carries) give the same words as raw ones
+    typed = random.wrap_key_data(key)
+    np.testing.assert_array_equal(np.asarray(client_bits(typed, jnp.arange(5), 64)),
+                                  np.asarray(together))
+    # another PRNG implementation: per-client keys fold_in(key, i) (RBG's bits are not
+    # vmap-invariant, so only determinism and distinct clients are checked)
+    rbg = random.key(0, impl="rbg")
+    rows = np.asarray(client_bits(rbg, jnp.arange(3), 16))
+    assert rows.shape == (3, 16) and rows.dtype == np.uint32
+    np.testing.assert_array_equal(rows, np.asarray(client_bits(rbg, jnp.arange(3), 16)))
+    assert len({bytes(r) for r in rows}) == 3
+
+
 def test_minibatch_indices_are_uniform_multiply_shift():
     """Indices are floor(u * N_i / 2^32) of 32-bit words u (exact integer arithmetic), so
     every row of every client is drawn with probability 1/N_i (to a relative 2^-16)."""
@@ -191,9 +229,8 @@ def test_minibatch_indices_are_uniform_multiply_shift():
     pot = FederatedPotential(model, part)
     key = random.PRNGKey(0)
     rows = jax.jit(pot.sample_batch, static_argnums=2)(key, part, 20_000)["y"]
-    keys = random.split(key, part.num_clients)
     for i, n in enumerate(sizes):
-        u = np.asarray(random.bits(keys[i], (20_000,), jnp.uint32), np.uint64)
+        u = np.asarray(_threefry_words_reference(key, i, 20_000), np.uint64)
         np.testing.assert_array_equal(np.asarray(rows[i], np.int64), (u * n) >> 32)
         counts = np.bincount(np.asarray(rows[i], np.int64), minlength=n)
         # each count ~ Binomial(20000, 1/n): within 5 sds of its mean

@@ -1,11 +1,13 @@
 """The kernels' per-client computations as pure functions of *one* client's data.
 
 In process, a kernel computes every client's oracle at once, ``vmap``-ed over the padded
-client axis, with client ``i`` using ``random.split(k, b)[i]`` for its minibatch and for its
-compression. :class:`ClientProblem` computes the same quantities for a single client that
-holds only its own (unpadded) rows -- what a Flower ``ClientApp`` runs -- with the same
-random keys, so a deployment reproduces the in-process chain up to floating-point summation
-order (masked sums over ``N_max`` padded rows in process, plain sums over ``N_i`` rows here).
+client axis, with client ``i`` drawing its minibatch from the words ``(i, j)`` of the step's
+batch key (:func:`~numpyro_fed.potential.client_bits`) and compressing with
+``random.split(k, b)[i]``. :class:`ClientProblem` computes the same quantities for a single
+client that holds only its own (unpadded) rows -- what a Flower ``ClientApp`` runs -- with
+the same random keys, so a deployment reproduces the in-process chain up to floating-point
+summation order (masked sums over ``N_max`` padded rows in process, plain sums over ``N_i``
+rows here).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ _PROGRAMS_MAX = 8
 
 def _programs(pot: FederatedPotential, model: Callable, rows: Mapping[str, Any],
               shared: Mapping[str, Any] | None, max_rows: int) -> tuple:
-    """Jitted ``full_grad(theta, rows, mask, tau, w)``, ``batch_grad(key, theta, rows, size,
-    tau, w, n)`` and ``batch_grad_diff(key, theta, zeta, rows, size, tau, w, n)`` of ``pot``'s
+    """Jitted ``full_grad(theta, rows, mask, tau, w)``, ``batch_grad(key, index, theta, rows,
+    size, tau, w, n)`` and ``batch_grad_diff(key, index, theta, zeta, rows, size, tau, w, n)`` of
+    ``pot``'s
     model (cached by model, row schema and ``max_rows`` when there are no shared
     arguments, which the compiled programs would hold as constants)."""
     schema = tuple(sorted((k, str(v.dtype), tuple(v.shape[1:])) for k, v in rows.items()))
@@ -46,21 +49,22 @@ def _programs(pot: FederatedPotential, model: Callable, rows: Mapping[str, Any],
         g = jax.grad(pot._client_lik_potential)(theta, rows, mask, tau)
         return g + w * pot.prior_grad(theta)
 
-    def batch(key, rows, size, n):
-        return jax.tree.map(lambda a: a[batch_indices(key, size, n, max_rows)], rows)
+    def batch(key, index, rows, size, n):
+        return jax.tree.map(lambda a: a[batch_indices(key, index, size, n, max_rows)], rows)
 
-    def batch_grad(key, theta, rows, size, tau, w, n):
-        g = jax.grad(pot._client_batch_potential)(theta, batch(key, rows, size, n), size, tau, n)
+    def batch_grad(key, index, theta, rows, size, tau, w, n):
+        r = batch(key, index, rows, size, n)
+        g = jax.grad(pot._client_batch_potential)(theta, r, size, tau, n)
         return g + w * pot.prior_grad(theta)
 
-    def batch_grad_diff(key, theta, zeta, rows, size, tau, w, n):
-        r = batch(key, rows, size, n)
+    def batch_grad_diff(key, index, theta, zeta, rows, size, tau, w, n):
+        r = batch(key, index, rows, size, n)
         grad_fn = jax.grad(pot._client_batch_potential)
         g = grad_fn(theta, r, size, tau, n) - grad_fn(zeta, r, size, tau, n)
         return g + w * (pot.prior_grad(theta) - pot.prior_grad(zeta))
 
-    progs = (jax.jit(full_grad), jax.jit(batch_grad, static_argnums=6),
-             jax.jit(batch_grad_diff, static_argnums=7))
+    progs = (jax.jit(full_grad), jax.jit(batch_grad, static_argnums=7),
+             jax.jit(batch_grad_diff, static_argnums=8))
     if not shared:
         _PROGRAMS[key] = progs
         while len(_PROGRAMS) > _PROGRAMS_MAX:
@@ -89,6 +93,8 @@ class ClientProblem:
     :param max_size: ``N_max``, the largest client size of the federation (it selects the
         index-sampling scheme of :meth:`~numpyro_fed.potential.FederatedPotential.sample_batch`;
         default: this client's size).
+    :param index: this client's position ``i`` in the federation (its minibatch words are
+        those of client ``i`` under the step's batch key).
     """
 
     def __init__(
@@ -100,7 +106,10 @@ class ClientProblem:
         likelihood_weight: float = 1.0,
         shared: Mapping[str, Any] | None = None,
         max_size: int | None = None,
+        index: int = 0,
     ) -> None:
+        if isinstance(index, bool) or not isinstance(index, int | np.integer) or index < 0:
+            raise ValueError(f"`index` must be a non-negative int, got {index!r}.")
         part = ClientPartition.from_clients([dict(rows)], shared=shared)
         self.potential = pot = FederatedPotential(model, part, prior="split", check=False)
         self.rows = {k: v[0] for k, v in part.data.items()}
@@ -112,16 +121,19 @@ class ClientProblem:
         max_rows = int(part.sizes_np[0]) if max_size is None else int(max_size)
         full_grad, batch_grad, batch_grad_diff = _programs(pot, model, self.rows, shared,
                                                            max_rows)
+        self.index = int(index)
         rows_, size, mask, tau, w = self.rows, self.size, self.mask, self.tau, self.w
+        i = jnp.asarray(self.index, jnp.int32)
         self.full_grad = lambda theta: full_grad(theta, rows_, mask, tau, w)
-        self.batch_grad = lambda key, theta, n: batch_grad(key, theta, rows_, size, tau, w, n)
+        self.batch_grad = lambda key, theta, n: batch_grad(key, i, theta, rows_, size, tau, w, n)
         self.batch_grad_diff = lambda key, theta, zeta, n: batch_grad_diff(
-            key, theta, zeta, rows_, size, tau, w, n
+            key, i, theta, zeta, rows_, size, tau, w, n
         )
 
     def oracle(self, key: jax.Array, theta: jax.Array, batch_size: int | None) -> jax.Array:
-        """:math:`H_i(\\theta)`: exact gradient, or the minibatch oracle with this client's
-        key (``random.split(k_batch, b)[i]``)."""
+        """:math:`H_i(\\theta)`: exact gradient, or the minibatch oracle drawn from the
+        step's batch key ``k_batch`` (shared by all clients; this client uses its own words of
+        it, see :func:`~numpyro_fed.potential.client_bits`)."""
         if batch_size is None:
             return self.full_grad(theta)
         return self.batch_grad(key, theta, batch_size)

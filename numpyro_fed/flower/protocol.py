@@ -9,8 +9,9 @@ kernel's server step: it draws the Langevin noise, asks the clients, receives on
 messages, aggregates them and stores the draws. Both use the kernels' math and random keys
 (:class:`~numpyro_fed.distributed.client.ClientProblem`,
 :func:`~numpyro_fed.kernels.base.langevin_move`, the step key split
-``(rng_key, k_noise, k_alg) = split(rng_key, 3)``, client ``i`` using
-``split(k, b)[i]``), so for a fixed seed and no faults the deployment reproduces
+``(rng_key, k_noise, k_alg) = split(rng_key, 3)``, client ``i`` drawing its minibatch
+from its own words of the batch key (:func:`~numpyro_fed.potential.client_bits`) and
+compressing with ``split(k, b)[i]``), so for a fixed seed and no faults the deployment reproduces
 ``QLSD``/``ELF`` run in process up to float32 summation order.
 
 **Consistency under faults.** A client's state update that depends on the server applying
@@ -352,6 +353,7 @@ class ClientWorker:
             self._problem = ClientProblem(
                 load_model(spec.model), self.rows, prior_weight=prior_weight,
                 likelihood_weight=spec.likelihood_weight, shared=self.shared, max_size=max_size,
+                index=self.index,
             )
             d = self._problem.dim
             self._codec = codec_for(spec.compressor, d)
@@ -473,7 +475,7 @@ class ClientWorker:
                 model = self._dense(arrays, "theta", dense)
             else:
                 model = self._shadow_update(cmd, arrays, state, k, dense)
-            h = prob.oracle(client_key(k_batch, self.index, b), model, n)
+            h = prob.oracle(k_batch, model, n)
             if spec.algorithm != "pelf":  # EF21: compress the change of the estimator
                 h = h - jnp.asarray(state["g"])
             kc = client_key(k_up, self.index, b)
@@ -488,7 +490,7 @@ class ClientWorker:
         the compression key (QLSD Alg. 1-2)."""
         b, d = spec.num_clients, prob.dim
         k_batch, k_comp = random.split(k_alg)
-        kb = client_key(k_batch, self.index, b)
+        kb = k_batch  # the client's minibatch words are its own part of it
         if spec.variant == "++" and n is not None:
             if bool(cmd["refresh"]):
                 state["zeta"] = np.asarray(theta, np.float32)

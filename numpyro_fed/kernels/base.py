@@ -71,10 +71,12 @@ def raise_if_nonfinite(x, iteration, message: str) -> None:
     """Stop the run with a :class:`DivergenceError` as soon as ``x`` is not finite.
 
     The host callback runs only on the branch taken when a non-finite value appears, so the
-    cost on the hot path is one reduction and one predicate per step. ``message`` may use
-    ``{iteration}``.
+    cost on the hot path is one reduction and one predicate per step. The predicate is
+    :math:`\\sum_k 0\\cdot x_k \\ne 0`, which holds exactly when some :math:`x_k` is NaN or
+    infinite (``0 * inf`` is NaN); XLA on CPU compiles it to one fewer unfused operation than
+    ``~all(isfinite(x))``. ``message`` may use ``{iteration}``.
     """
-    bad = jnp.logical_not(jnp.all(jnp.isfinite(x)))
+    bad = jnp.sum(x * jnp.zeros((), jnp.result_type(x))) != 0
 
     def _report():
         io_callback(lambda b, i: _raise_divergence(b, i, message), None, bad, iteration)
