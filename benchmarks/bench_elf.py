@@ -6,7 +6,7 @@ k = 3 on the compressed links, float32, CPU. For every kernel (D-ELF, P-ELF, B-E
 1 and 4 vectorized chains we time
 
 * ``MCMC``: ``MCMC(kernel, num_warmup=0, num_samples=n, progress_bar=False)`` collecting the
-  default fields (``z``, ``bits_up``, ``bits_down``); tracing and compilation time excluded
+  default fields (``z``, ``bits``); tracing and compilation time excluded
   (reported by ``jax.monitoring``), initial state cached by NumPyro (same key);
 * ``fused``: one jitted ``lax.scan`` doing exactly the ELF recursion (Langevin move, Top-k
   downlink/uplink messages, error-feedback updates) with the same gradient oracle

@@ -204,8 +204,7 @@ def main(argv: list[str] | None = None) -> str:
         mcmc, warm, times = run_sampler(kern, args.fed_warmup, args.fed_samples, {})
         draws = np.asarray(mcmc.get_samples()["w"], np.float64)
         ex = mcmc.get_extra_fields()
-        per_step = np.cumsum(np.asarray(ex["bits_up"], np.float64)
-                             + np.asarray(ex["bits_down"], np.float64))
+        per_step = np.cumsum(np.asarray(ex["bits"], np.float64).sum(-1))  # up + down
         base = float(counter_value(warm.total_up) + counter_value(warm.total_down))
 
         def bits_fn(k, base=base, per_step=per_step):

@@ -241,7 +241,7 @@ def kernel_scan(kern, steps: int, chains: int, model_kwargs: dict):
     """``lax.scan`` over ``kernel.sample`` emitting the fields MCMC collects."""
     key = random.split(random.PRNGKey(0), chains) if chains > 1 else random.PRNGKey(0)
     state = kern.init(key, 0, None, (), model_kwargs)
-    fields = ("z", "bits_up", "bits_down") if hasattr(state, "bits_up") else ("z",)
+    fields = tuple(dict.fromkeys((kern.sample_field, *kern.default_fields)))
 
     def run(state):
         def body(s, _):
@@ -312,9 +312,10 @@ def main(argv: list[str] | None = None) -> str:
           f"pooled {args.clients * args.rows} rows), float32, {device_name()}. {args.steps} "
           f"steps, min of {args.repeats} interleaved repeats, compilation excluded. 'MCMC "
           "loop' is NumPyro's own sampling loop of MCMC.run (fori_collect with its "
-          "cond-guarded collection buffer, per-step postprocess of z, default fields z, "
-          "bits_up, bits_down) compiled once and timed as an executable, because NumPyro "
-          "0.22's MCMC.run recompiles it on every call (2-10 s here); 'MCMC.run' (with "
+          "cond-guarded collection buffer, per-step postprocess of z, default fields: z "
+          "and the federated kernels' bits) compiled once and timed as an executable, "
+          "because NumPyro 0.22's MCMC.run recompiles it on every call (2-10 s here); "
+          "'MCMC.run' (with "
           "--mcmc-run) times whole calls by difference quotient between K/4 and K samples "
           "after subtracting the compile time reported by jax.monitoring. 'fused+out': the "
           "fused scan also emitting what the kernel reports per step beyond the draws: the "

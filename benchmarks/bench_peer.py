@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> str:
           "log-density) in the same loop ≤ 1.1. The last column compares everything with "
           "BlackJAX in its bare scan, which a BlackJAX user runs; the difference between the "
           "two loops is NumPyro's driver (a `lax.cond`-guarded write per collected field "
-          "and step: ours collects `z`, `bits_up` and `bits_down`) plus our per-step "
+          "and step: ours collects `z` and `bits`, BlackJAX `w`) plus our per-step "
           "divergence check (the `check_finite=False` row).\n\n"
           + md_table(["sampler", "loop", "µs/step", "ratio to BlackJAX in the same loop",
                       "ratio to BlackJAX in lax.scan"], rows))

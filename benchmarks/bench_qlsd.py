@@ -4,8 +4,8 @@ Problem: the QLSD paper's toy Gaussian shapes (b = 20 clients, d = 50, N = 200 p
 minibatch n = 20, s = 2^4 levels, QLSD++ with l = 100 and memory). For each variant and for 1
 and 4 vectorized chains, three timings, all measured in this run:
 
-* ``mcmc`` -- ``MCMC(kernel, progress_bar=False).run`` (collects ``z``, ``bits_up``,
-  ``bits_down`` per step), timed by difference quotient with the compilation subtracted;
+* ``mcmc`` -- ``MCMC(kernel, progress_bar=False).run`` (collects ``z`` and ``bits``
+  per step), timed by difference quotient with the compilation subtracted;
 * ``kernel scan`` -- ``lax.scan`` over ``kernel.sample`` alone (no MCMC collection/postprocess);
 * ``fused`` -- the same recursion written directly as a ``lax.scan`` on flat arrays from the
   same building blocks (minibatch gradients, quantiser, Langevin move), no state NamedTuple,

@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         ax.set_title(f"w[{FEATURES[j]}]")
     axes[0].legend(fontsize=7)
     for name, (mcmc, _) in runs.items():
-        per_step = np.asarray(mcmc.get_extra_fields(group_by_chain=True)["bits_up"][0],
-                              np.float64)
+        per_step = np.asarray(mcmc.get_extra_fields(group_by_chain=True)["bits"][0, :, 0],
+                              np.float64)  # chain 0, the uplink column of (up, down)
         # kept draws are every `thinning`-th step: scale their per-step bits accordingly
         steps = np.arange(1, len(per_step) + 1) * args.thinning
         axes[4].plot(steps, np.cumsum(per_step) * args.thinning / 8e6, label=name)

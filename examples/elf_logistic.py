@@ -114,8 +114,8 @@ def run_one(kernel, num_steps, chains, seed):
     mcmc.run(random.key(seed), init_params={"w": np.zeros((chains, kernel.potential.dim))})
     w = np.asarray(mcmc.get_samples(group_by_chain=True)["w"], np.float64)
     ex = mcmc.get_extra_fields(group_by_chain=True)
-    up = np.asarray(ex["bits_up"], np.int64)[0]
-    down = np.asarray(ex["bits_down"], np.int64)[0]
+    up = np.asarray(ex["bits"], np.int64)[0, :, 0]  # chain 0; bits are (up, down)
+    down = np.asarray(ex["bits"], np.int64)[0, :, 1]
     tot_up = int(np.ravel(counter_value(mcmc.last_state.total_up))[0])
     tot_down = int(np.ravel(counter_value(mcmc.last_state.total_down))[0])
     cum_up = tot_up - up.sum() + np.cumsum(up)  # one-off rounds at init, then per step

@@ -2,8 +2,10 @@
 
 ``az.from_numpyro(mcmc)`` already works on a federated kernel: the kernel's ``model``
 attribute binds the pooled data, so ArviZ replays the model on all rows (posterior,
-observed data, pooled log-likelihood) and the per-step bits land in ``sample_stats``.
-:func:`to_inference_data` adds
+observed data, pooled log-likelihood) and the per-step bits land in ``sample_stats`` as
+``bits`` with a trailing ``(up, down)`` axis. :func:`to_inference_data` adds
+
+* ``bits_up`` and ``bits_down`` as separate ``sample_stats`` variables;
 
 * a ``client`` coordinate on the observation axis of the log-likelihood (for LOO/WAIC per
   client), or a leave-one-client-out log-likelihood (``log_likelihood="client"``);
@@ -40,9 +42,14 @@ def communication_summary(mcmc) -> dict[str, Any]:
     down = np.atleast_1d(counter_value(state.total_down))
     extra = mcmc.get_extra_fields()
     out = {"up": up, "down": down, "total": up + down}
-    for name in ("bits_up", "bits_down"):
+    for j, name in enumerate(("bits_up", "bits_down")):
         if name in extra:
-            out["per_step_" + name[5:]] = float(np.mean(np.asarray(extra[name], np.float64)))
+            per_step = np.asarray(extra[name], np.float64)
+        elif "bits" in extra:
+            per_step = np.asarray(extra["bits"], np.float64)[..., j]
+        else:
+            continue
+        out["per_step_" + name[5:]] = float(np.mean(per_step))
     return out
 
 
@@ -84,6 +91,14 @@ def to_inference_data(mcmc, *, log_likelihood: str | bool = "row", **kwargs):
     if log_likelihood not in ("row", "client", False):
         raise ValueError("`log_likelihood` must be 'row', 'client' or False.")
     idata = az.from_numpyro(mcmc, log_likelihood=False, **kwargs)
+    stats = idata.sample_stats
+    if "bits" in stats:
+        bits = stats["bits"]
+        axis = bits.dims[-1]
+        split = {name: bits.isel({axis: j}, drop=True) for j, name in
+                 enumerate(("bits_up", "bits_down")) if name not in stats}
+        stats = stats.drop_vars("bits").assign(split)
+        idata.sample_stats = stats.drop_dims(axis, errors="ignore")
     part = kernel.partition
     names = np.asarray([str(n) for n in part.client_names])
     if log_likelihood:

@@ -21,7 +21,7 @@ from mc_stats import batch_means_se  # batches of 1000 steps >> relaxation time 
 from numpyro.infer import MCMC
 
 from models import logistic_regression
-from numpyro_fed import ClientPartition, FederatedLangevin, compressors
+from numpyro_fed import ClientPartition, FederatedLangevin, compressors, to_inference_data
 from numpyro_fed.compressors import ceil_log2
 from numpyro_fed.kernels.elf import BELF, DELF, ELF, PELF, ELFState
 
@@ -110,14 +110,17 @@ def test_bits_and_error_feedback_invariant(variant):
     up_step = sparse if variant in "DB" else dense
     down_step = sparse if variant in "PB" else dense
     ex = mcmc.get_extra_fields(group_by_chain=True)
-    assert ex["bits_up"].shape == (2, steps)
-    assert np.all(np.asarray(ex["bits_up"]) == up_step)
-    assert np.all(np.asarray(ex["bits_down"]) == down_step)
+    assert ex["bits"].shape == (2, steps, 2)  # one (up, down) sample field
+    assert np.all(np.asarray(ex["bits"])[..., 0] == up_step)
+    assert np.all(np.asarray(ex["bits"])[..., 1] == down_step)
     comm = kern.communication(mcmc.last_state)
     # init: dense broadcast of x0 + dense initial gradients; warmup steps are counted too
     np.testing.assert_array_equal(comm["up"], dense + (steps + warm) * up_step)
     np.testing.assert_array_equal(comm["down"], dense + (steps + warm) * down_step)
     idata = az.from_numpyro(mcmc)
+    assert idata.sample_stats["bits"].shape == (2, steps, 2)
+    idata = to_inference_data(mcmc, log_likelihood=False)  # splits bits into up and down
+    assert "bits" not in idata.sample_stats
     assert int(idata.sample_stats["bits_up"].sum()) == 2 * steps * up_step
     assert int(idata.sample_stats["bits_down"].sum()) == 2 * steps * down_step
 

@@ -169,7 +169,7 @@ def test_same_key_same_samples_and_bits():
         m = MCMC(kern(), num_warmup=50, num_samples=100, num_chains=2,
                  chain_method="vectorized", progress_bar=False)
         m.run(random.PRNGKey(5))
-        runs.append((m.get_samples()["theta"], m.get_extra_fields()["bits_up"]))
+        runs.append((m.get_samples()["theta"], m.get_extra_fields()["bits"]))
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
     m.run(random.PRNGKey(6))
@@ -183,9 +183,10 @@ def test_bits_are_counted_per_step_and_cumulatively_including_warmup():
     kernel = FederatedLangevin(gauss_model, part, step_size=1e-3)
     mcmc = MCMC(kernel, num_warmup=30, num_samples=40, thinning=4, progress_bar=False)
     mcmc.run(random.PRNGKey(0))
-    extra = mcmc.get_extra_fields()
-    assert np.all(extra["bits_up"] == b * 32 * d)  # identity: float32 gradients
-    assert np.all(extra["bits_down"] == b * 32 * d)  # dense broadcast of theta
+    bits = np.asarray(mcmc.get_extra_fields()["bits"])  # (draw, (up, down))
+    assert bits.shape == (10, 2)  # 40 samples thinned by 4
+    assert np.all(bits[:, 0] == b * 32 * d)  # identity: float32 gradients
+    assert np.all(bits[:, 1] == b * 32 * d)  # dense broadcast of theta
     comm = communication_summary(mcmc)
     assert comm["up"][0] == 70 * b * 32 * d  # warmup and thinned-out steps counted
     assert comm["down"][0] == 71 * b * 32 * d  # + initial broadcast of theta_0
@@ -194,9 +195,13 @@ def test_bits_are_counted_per_step_and_cumulatively_including_warmup():
     kq = FederatedLangevin(gauss_model, part, step_size=1e-3, compressor=q)
     mq = MCMC(kq, num_warmup=0, num_samples=50, progress_bar=False)
     mq.run(random.PRNGKey(0))
-    up = np.asarray(mq.get_extra_fields()["bits_up"])
+    up = np.asarray(mq.get_extra_fields()["bits"])[:, 0]
     assert np.all(up < b * 32 * d + b * 64) and np.all(up > b * 32)
     assert communication_summary(mq)["up"][0] == up.sum()
+    # the properties collect the directions apart, as the same numbers
+    mq.run(random.PRNGKey(0), extra_fields=("bits_up", "bits_down"))
+    np.testing.assert_array_equal(np.asarray(mq.get_extra_fields()["bits_up"]), up)
+    assert communication_summary(mq)["per_step_up"] == up.mean()
 
 
 # ----------------------------------------------------------------------------- numpyro UX
@@ -225,7 +230,7 @@ def test_constrained_sites_deterministic_sites_and_arviz():
 
     idata = az.from_numpyro(mcmc)
     assert {"posterior", "sample_stats", "observed_data", "log_likelihood"} <= set(idata.groups())
-    assert idata.sample_stats["bits_up"].shape == (2, 300)
+    assert idata.sample_stats["bits"].shape == (2, 300, 2)  # (up, down)
     np.testing.assert_allclose(idata.observed_data["y"].values, part.pooled()["y"])
 
     full = to_inference_data(mcmc)

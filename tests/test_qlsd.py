@@ -373,7 +373,7 @@ def test_constrained_theta_star_arviz_and_summary(capsys):
     mcmc.print_summary()
     assert "sigma" in capsys.readouterr().out
     idata = az.from_numpyro(mcmc)
-    assert "bits_up" in idata.sample_stats and "bits_down" in idata.sample_stats
+    assert idata.sample_stats["bits"].shape == (2, 300, 2)  # (up, down)
     assert idata.posterior["mu"].shape == (2, 300)
 
 

@@ -20,7 +20,8 @@ def test_readme_python_blocks_execute():
         exec(compile(block, "README.md", "exec"), namespace)
     idata = namespace["idata"]
     assert "client" in idata.log_likelihood["y"].coords
-    assert idata.sample_stats["bits_up"].shape == (4, 1000)
+    assert idata.sample_stats["bits_up"].shape == (4, 1000)  # to_inference_data splits bits
+    assert namespace["up"] > 0 and namespace["down"] > 0
 
 
 def test_demo_smoke(tmp_path):

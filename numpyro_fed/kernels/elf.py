@@ -33,7 +33,7 @@ server update is :math:`g_{k+1} = g_k + \\frac1b\\sum_i(\\cdot)`. The two coinci
 the broadcast message (a dense float32 vector costs ``32 d``). The one-off rounds at
 initialisation (broadcast of :math:`x_0` or :math:`\\mathcal{Q}^P(x_0)`, dense initial
 gradients :math:`\\nabla U_i(w_0)`) are added to the cumulative counters
-``state.total_up`` / ``state.total_down`` but not to the per-step sample fields.
+``state.total_up`` / ``state.total_down`` but not to the per-step sample field ``bits``.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class ELF(FederatedKernel):
     :math:`g^i_0 = \\nabla U_i(w_0)` (exact gradients even with ``batch_size``), so that
     :math:`g_0 = \\sum_i g^i_0` (:math:`32 d b` bits).
 
-    **Bits per step** (sample fields ``bits_up``, ``bits_down``): D-ELF sends
+    **Bits per step** (sample field ``bits``, i.e. ``bits_up``, ``bits_down``): D-ELF sends
     :math:`\\sum_i |\\mathcal{Q}^D(\\cdot)|` up and :math:`32 d b` down; P-ELF :math:`32 d b`
     up and :math:`b\\,|\\mathcal{Q}^P(x_{k+1} - w_k)|` down; B-ELF the compressed sizes both
     ways (``|.|`` = the compressor's coded length, ``k(32 + \\lceil\\log_2 d\\rceil)`` for
@@ -193,7 +193,8 @@ class ELF(FederatedKernel):
         mcmc = MCMC(kernel, num_warmup=1000, num_samples=5000, num_chains=4,
                     chain_method="vectorized")
         mcmc.run(random.key(0))
-        idata = az.from_numpyro(mcmc)   # bits_up / bits_down in idata.sample_stats
+        idata = numpyro_fed.to_inference_data(mcmc)  # bits_up / bits_down in
+        # idata.sample_stats (az.from_numpyro: one `bits` variable, axis (up, down))
     """
 
     variant: str = "D"

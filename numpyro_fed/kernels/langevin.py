@@ -33,7 +33,7 @@ from numpyro.infer.mcmc import MCMCKernel
 from numpyro.infer.util import initialize_model
 from numpyro.util import identity
 
-from numpyro_fed.bits import BitCounter, counter_add, counter_value, counter_zeros
+from numpyro_fed.bits import BitCounter, counter_value, totals_add, totals_counter, totals_zeros
 from numpyro_fed.compressors import Compressor, get_compressor
 from numpyro_fed.kernels.base import (
     chain_keys_list,
@@ -413,25 +413,49 @@ class FedState(NamedTuple):
 
     - **i** -- iteration counter, shared by vectorized chains.
     - **z** -- current sample: dict of unconstrained site values.
-    - **bits_up** -- bits sent client -> server at this step, summed over clients (int32).
-    - **bits_down** -- bits sent server -> clients at this step, summed over the clients that
-      receive the broadcast (int32).
-    - **total_up** / **total_down** -- cumulative :class:`~numpyro_fed.bits.BitCounter`
-      including warmup, thinned-out steps and one-off rounds at ``init``.
+    - **bits** -- ``int32[2]``: the bits of this step, ``(up, down)``. Up: client -> server,
+      summed over clients; down: server -> clients, summed over the clients that receive the
+      broadcast. Also readable as the properties ``bits_up`` and ``bits_down``.
+    - **totals** -- ``int32[2, 2]``: the cumulative counters of both directions including
+      warmup, thinned-out steps and one-off rounds at ``init``
+      (:func:`~numpyro_fed.bits.totals_add`); read them as the
+      :class:`~numpyro_fed.bits.BitCounter` properties ``total_up`` and ``total_down``.
     - **extra** -- algorithm-specific state (memory terms, control variates, error feedback).
     - **rng_key** -- random key.
     - **data** -- the client partition (shared by chains).
+
+    The bits of a step are one array, not two fields, because NumPyro's sampling loop pays
+    a guarded write per collected field and step (about 0.3 us on CPU, 4% of a small
+    federated step); ``extra_fields=("bits_up", "bits_down")`` still collects them apart.
     """
 
     i: jax.Array
     z: dict
-    bits_up: jax.Array
-    bits_down: jax.Array
-    total_up: BitCounter
-    total_down: BitCounter
+    bits: jax.Array
+    totals: jax.Array
     extra: Any
     rng_key: jax.Array
     data: ClientPartition
+
+    @property
+    def bits_up(self) -> jax.Array:
+        """Bits sent client -> server at this step (summed over clients)."""
+        return self.bits[..., 0]
+
+    @property
+    def bits_down(self) -> jax.Array:
+        """Bits sent server -> clients at this step."""
+        return self.bits[..., 1]
+
+    @property
+    def total_up(self) -> BitCounter:
+        """Cumulative uplink bits (read with :func:`~numpyro_fed.bits.counter_value`)."""
+        return totals_counter(self.totals, 0)
+
+    @property
+    def total_down(self) -> BitCounter:
+        """Cumulative downlink bits."""
+        return totals_counter(self.totals, 1)
 
 
 class FederatedKernel(MCMCKernel):
@@ -505,7 +529,7 @@ class FederatedKernel(MCMCKernel):
 
     @property
     def default_fields(self):
-        return ("z", "bits_up", "bits_down")
+        return ("z", "bits")
 
     def postprocess_fn(self, model_args, model_kwargs):
         pot = self._bound(model_kwargs).potential
@@ -514,8 +538,7 @@ class FederatedKernel(MCMCKernel):
 
     def _state_axes(self) -> FedState:
         return FedState(
-            i=None, z=0, bits_up=0, bits_down=0, total_up=0, total_down=0,
-            extra=0, rng_key=0, data=None,
+            i=None, z=0, bits=0, totals=0, extra=0, rng_key=0, data=None,
         )
 
     def _check_run_args(self, model_args, model_kwargs) -> None:
@@ -565,11 +588,7 @@ class FederatedKernel(MCMCKernel):
 
         def one(s):
             extra, up, down = kern.refresh_extra(s.extra, pot.ravel(s.z), s.data)
-            return s._replace(
-                extra=extra,
-                total_up=counter_add(s.total_up, up),
-                total_down=counter_add(s.total_down, down),
-            )
+            return s._replace(extra=extra, totals=totals_add(s.totals, up, down))
 
         if self._vectorized:
             axes = self._state_axes()
@@ -608,11 +627,9 @@ class FederatedKernel(MCMCKernel):
             # the chain key itself is left untouched (as in ULA), so that with equal
             # gradients federated and centralised chains are identical
             extra, up, down = kern.init_extra(random.fold_in(key, 2), x, data)
-            zero = jnp.zeros((), jnp.int32)
             return FedState(
-                jnp.zeros((), jnp.int32), pot.unravel(x), zero, zero,
-                counter_add(counter_zeros(), up), counter_add(counter_zeros(), down),
-                extra, key, data,
+                jnp.zeros((), jnp.int32), pot.unravel(x), jnp.zeros((2,), jnp.int32),
+                totals_add(totals_zeros(), up, down), extra, key, data,
             )
 
         if self._vectorized:
@@ -629,9 +646,10 @@ class FederatedKernel(MCMCKernel):
             rng_key, k_noise, k_alg = random.split(s.rng_key, 3)
             x = pot.ravel(s.z)
             x_new, extra, up, down = kern.step(k_alg, k_noise, i, x, s.extra, data)
+            bits = jnp.stack(jnp.broadcast_arrays(jnp.asarray(up, jnp.int32),
+                                                  jnp.asarray(down, jnp.int32)))
             return FedState(
-                s.i, pot.unravel(x_new), up, down,
-                counter_add(s.total_up, up), counter_add(s.total_down, down),
+                s.i, pot.unravel(x_new), bits, totals_add(s.totals, up, down),
                 extra, rng_key, s.data,
             )
 
@@ -712,7 +730,8 @@ class FederatedLangevin(FederatedKernel):
         kernel = FederatedLangevin(model, clients, step_size=1e-4, batch_size=32)
         mcmc = MCMC(kernel, num_warmup=1000, num_samples=5000)
         mcmc.run(random.key(0))
-        idata = az.from_numpyro(mcmc)   # bits_up / bits_down in idata.sample_stats
+        idata = numpyro_fed.to_inference_data(mcmc)  # bits_up / bits_down in
+        # idata.sample_stats (az.from_numpyro: one `bits` variable, axis (up, down))
     """
 
     name = "FederatedLangevin"

@@ -243,8 +243,8 @@ class QLSD(FederatedKernel):
 
     See the module docstring for the recursion. The kernel runs inside
     :class:`numpyro.infer.MCMC` (``num_chains``, ``chain_method="vectorized"``,
-    ``print_summary``, ``az.from_numpyro``); per-step ``bits_up`` / ``bits_down`` are sample
-    fields, cumulative totals (including warmup and the one-off rounds of QLSD*) are in the
+    ``print_summary``, ``az.from_numpyro``); the per-step ``bits`` (up, down) are a sample
+    field, cumulative totals (including warmup and the one-off rounds of QLSD*) are in the
     state (:meth:`communication`).
 
     :param model: an ordinary NumPyro model.
@@ -287,7 +287,8 @@ class QLSD(FederatedKernel):
         mcmc = MCMC(kernel, num_warmup=1000, num_samples=5000, num_chains=4,
                     chain_method="vectorized")
         mcmc.run(random.key(0))
-        idata = az.from_numpyro(mcmc)   # bits_up / bits_down in idata.sample_stats
+        idata = numpyro_fed.to_inference_data(mcmc)  # bits_up / bits_down in
+        # idata.sample_stats (az.from_numpyro: one `bits` variable, axis (up, down))
     """
 
     name = "QLSD"
