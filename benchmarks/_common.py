@@ -25,10 +25,35 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import jax
-import numpy as np
-from jax import random
-from numpyro.infer import MCMC
+SINGLE_THREADED_FLAG = "--xla_cpu_multi_thread_eigen=false"
+
+
+def single_threaded_xla() -> None:
+    """Turn off XLA:CPU's multi-threaded Eigen kernels (call before JAX starts).
+
+    The overhead and peer items time steps of 8-300 µs made of many small operations. With
+    Eigen's intra-op thread pool on a shared 2-core machine, the same executable measured
+    up to 30% apart between runs (a row's minimum over 7 interleaved repeats: QLSD# 4-bit
+    kernel 45.7 vs 61.3 µs/step in two runs), which a ratio of two such rows inherits; with
+    it off, three runs gave 47.4-50.7. The setting applies to every candidate of a table
+    alike (ours, the fused scans, BlackJAX). The large-scale and scaling items keep the
+    default, which the 10^6-row matrix products of NUTS and of 1000 clients need."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if SINGLE_THREADED_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {SINGLE_THREADED_FLAG}".strip()
+
+
+def xla_threading() -> str:
+    """How XLA:CPU was threaded for a result table (in words)."""
+    if SINGLE_THREADED_FLAG in os.environ.get("XLA_FLAGS", ""):
+        return f"XLA_FLAGS={SINGLE_THREADED_FLAG}"
+    return "default XLA threading"
+
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import random  # noqa: E402
+from numpyro.infer import MCMC  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

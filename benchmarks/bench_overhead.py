@@ -30,6 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __name__ == "__main__":  # before anything starts the JAX runtime
+    from _common import single_threaded_xla
+
+    single_threaded_xla()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -42,6 +46,7 @@ from _common import (  # noqa: E402
     mcmc_loop_runner,
     md_table,
     write_result,
+    xla_threading,
 )
 from jax import lax, random  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
@@ -66,6 +71,10 @@ the gradient, and XLA drops U's own arithmetic (one `exp` and one `log1p` per ro
 fused ULA scan. `ULA(track_potential=False)` skips it (same draws, bit for bit; tested).
 (iii) Ratios of single rows on a 2-core CPU are uncertain by about ±10% on an idle machine
 and ±30% under load.
+(iv) With 4 chains, `ULA(track_potential=False)` runs 0.7-0.87x the time of its fused
+reference in every run so far: the reference (one chain's scan, `vmap`-ed) is not a lower
+bound there (we did not find why XLA compiles it slower), so that row understates ULA's
+overhead rather than overstating it.
 """
 
 
@@ -260,7 +269,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--dim", type=int, default=50)
     p.add_argument("--batch", type=int, default=20)
     p.add_argument("--steps", type=int, default=4000)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--chains", type=int, nargs="+", default=[1, 4])
     p.add_argument("--kernels", nargs="*", default=None, help="substrings of kernel names")
     p.add_argument("--mcmc-run", action="store_true",
@@ -309,8 +318,9 @@ def main(argv: list[str] | None = None) -> str:
     md = (f"### Kernel overhead: MCMC vs hand-fused lax.scan\n\n"
           f"Logistic regression, b = {args.clients} clients × {args.rows} rows, d = {args.dim}, "
           f"minibatch n = {args.batch} (LMC, QLSD), exact gradients (ELF, ULA, MALA on the "
-          f"pooled {args.clients * args.rows} rows), float32, {device_name()}. {args.steps} "
-          f"steps, min of {args.repeats} interleaved repeats, compilation excluded. 'MCMC "
+          f"pooled {args.clients * args.rows} rows), float32, {device_name()}, "
+          f"{xla_threading()}. {args.steps} steps, min of {args.repeats} interleaved repeats, "
+          "compilation excluded. 'MCMC "
           "loop' is NumPyro's own sampling loop of MCMC.run (fori_collect with its "
           "cond-guarded collection buffer, per-step postprocess of z, default fields: z "
           "and the federated kernels' bits) compiled once and timed as an executable, "

@@ -31,6 +31,10 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __name__ == "__main__":  # before anything starts the JAX runtime
+    from _common import single_threaded_xla
+
+    single_threaded_xla()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -43,6 +47,7 @@ from _common import (  # noqa: E402
     mcmc_loop_runner,
     md_table,
     write_result,
+    xla_threading,
 )
 from bench_overhead import kernel_scan  # noqa: E402
 from jax import lax, random  # noqa: E402
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--dim", type=int, default=50)
     p.add_argument("--batch", type=int, default=100)
     p.add_argument("--steps", type=int, default=10_000)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
@@ -175,7 +180,8 @@ def main(argv: list[str] | None = None) -> str:
             for k, v in t.items()]
     md = (f"### Peer: FederatedLangevin (1 client, identity compressor) vs BlackJAX sgld\n\n"
           f"Logistic regression, N = {N}, d = {d}, minibatch n = {args.batch} (with "
-          f"replacement, same index sampler), step {gamma:.2g}, float32, {device_name()}. "
+          f"replacement, same index sampler), step {gamma:.2g}, float32, {device_name()}, "
+          f"{xla_threading()}. "
           f"{steps} steps, min of {args.repeats} interleaved repeats, compilation "
           "excluded; the data are arguments of every compiled loop. Each sampler runs in a "
           "plain `lax.scan` emitting its draws (ours also emits its bits, as MCMC collects "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,12 +32,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_large  # noqa: E402
-import bench_overhead  # noqa: E402
-import bench_peer  # noqa: E402
-import bench_saem  # noqa: E402
-import bench_scaling  # noqa: E402
 from _common import device_name, md_table, write_result  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
 
 SMOKE = {
     "overhead": ["--clients", "2", "--rows", "10", "--dim", "3", "--batch", "2", "--steps", "8",
@@ -51,8 +49,11 @@ SMOKE = {
 }
 FULL = {"large": ["--nuts-warmup", "1000", "--nuts-samples", "2000", "--fed-samples", "20000",
                   "--reference", "nuts"]}
-ITEMS = {"overhead": bench_overhead, "peer": bench_peer, "scaling": bench_scaling,
-         "large": bench_large, "saem": bench_saem}
+#: item -> script. Each runs as its own process (``python benchmarks/bench_<item>.py``, as
+#: a reader would run it): a fresh JAX runtime per item, and the microsecond-step items set
+#: their own XLA threading before JAX starts (see :func:`_common.single_threaded_xla`).
+ITEMS = {name: HERE / f"bench_{name}.py" for name in
+         ("overhead", "peer", "scaling", "large", "saem")}
 
 
 def _table(md: str, title_start: str | None = None) -> list[list[str]]:
@@ -119,18 +120,18 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = p.parse_args(argv)
     rows, parts = [], []
+    out_dir = Path(args.out) if args.out else HERE / "results"
     for name in args.only:
         argv_i = list(SMOKE[name]) if args.smoke else list(FULL.get(name, [])) if args.full \
             else []
-        if args.out:
-            argv_i += ["--out", str(args.out)]
-        print(f"=== {name}: {ITEMS[name].__file__} {' '.join(argv_i)}", flush=True)
+        argv_i += ["--out", str(out_dir)]
+        print(f"=== {name}: {ITEMS[name]} {' '.join(argv_i)}", flush=True)
         t0 = time.perf_counter()
-        md = ITEMS[name].main(argv_i)
+        subprocess.run([sys.executable, str(ITEMS[name]), *argv_i], check=True)
+        md = (out_dir / f"{name}.md").read_text()
         rows.append([name, f"results/{name}.md", f"{time.perf_counter() - t0:.0f}",
                      headline(name, md)])
         parts.append(md)
-    out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
     for name in ITEMS:  # items not run now: their last table, if any
         path = out_dir / f"{name}.md"
         if name not in args.only and path.exists():
