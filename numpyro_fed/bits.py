@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "BitCounter", "counter_zeros", "counter_add", "counter_value", "MAX_STEP_BITS",
-    "totals_zeros", "totals_add", "totals_counter",
+    "BitCounter", "counter_value", "MAX_STEP_BITS", "totals_zeros", "totals_add",
+    "totals_counter",
 ]
 
 _SHIFT = 30
@@ -31,22 +31,6 @@ class BitCounter(NamedTuple):
 
     hi: jnp.ndarray
     lo: jnp.ndarray
-
-
-def counter_zeros() -> BitCounter:
-    """A counter at zero."""
-    return BitCounter(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
-
-
-def counter_add(counter: BitCounter, bits) -> BitCounter:
-    """Add ``bits`` (an ``int32`` array below :data:`MAX_STEP_BITS`, or any Python int)."""
-    if isinstance(bits, (int, np.integer)):
-        bits = int(bits)
-        hi_add, lo_add = bits >> _SHIFT, bits & _MASK
-        lo = counter.lo + jnp.int32(lo_add)
-        return BitCounter(counter.hi + jnp.int32(hi_add) + (lo >> _SHIFT), lo & _MASK)
-    lo = counter.lo + jnp.asarray(bits, jnp.int32)
-    return BitCounter(counter.hi + (lo >> _SHIFT), lo & _MASK)
 
 
 def counter_value(counter: BitCounter) -> np.ndarray:

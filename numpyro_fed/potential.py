@@ -344,7 +344,10 @@ class FederatedPotential:
         4x faster and compiles 2x faster than ``random.randint`` with per-client bounds.
         Clients with :math:`\\ge 2^{16}` rows use ``random.randint``."""
         clients = jnp.arange(data.num_clients)
-        if data.max_size < (1 << 16):  # all clients' words in one hash call
+        # all clients' words in one hash call. (Not `vmap(batch_indices)`: inside the kernels'
+        # chain vmap that fails to lower on CPU, a carry-type mismatch in the rolled Threefry
+        # loop, seen with vectorized minibatch ELF chains.)
+        if data.max_size < (1 << 16):
             u = client_bits(key, clients, batch_size)
             idx = jax.vmap(_multiply_shift)(u, data.sizes)
         else:

@@ -35,9 +35,8 @@ _PROGRAMS_MAX = 8
 def _programs(pot: FederatedPotential, model: Callable, rows: Mapping[str, Any],
               shared: Mapping[str, Any] | None, max_rows: int) -> tuple:
     """Jitted ``full_grad(theta, rows, mask, tau, w)``, ``batch_grad(key, index, theta, rows,
-    size, tau, w, n)`` and ``batch_grad_diff(key, index, theta, zeta, rows, size, tau, w, n)`` of
-    ``pot``'s
-    model (cached by model, row schema and ``max_rows`` when there are no shared
+    size, tau, w, n)`` and ``batch_grad_diff(key, index, theta, zeta, rows, size, tau, w, n)``
+    of ``pot``'s model (cached by model, row schema and ``max_rows`` when there are no shared
     arguments, which the compiled programs would hold as constants)."""
     schema = tuple(sorted((k, str(v.dtype), tuple(v.shape[1:])) for k, v in rows.items()))
     key = (model, schema, max_rows)

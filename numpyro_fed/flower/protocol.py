@@ -490,7 +490,6 @@ class ClientWorker:
         the compression key (QLSD Alg. 1-2)."""
         b, d = spec.num_clients, prob.dim
         k_batch, k_comp = random.split(k_alg)
-        kb = k_batch  # the client's minibatch words are its own part of it
         if spec.variant == "++" and n is not None:
             if bool(cmd["refresh"]):
                 state["zeta"] = np.asarray(theta, np.float32)
@@ -501,7 +500,7 @@ class ClientWorker:
                 state["zeta"] = np.asarray(zeta, np.float32)
                 state["grad_zeta"] = np.asarray(prob.full_grad(zeta), np.float32)
                 state["zeta_round"] = int(cmd["zeta_round"])
-            h = prob.batch_grad_diff(kb, theta, jnp.asarray(state["zeta"]), n) + jnp.asarray(
+            h = prob.batch_grad_diff(k_batch, theta, jnp.asarray(state["zeta"]), n) + jnp.asarray(
                 state["grad_zeta"]
             )
         elif spec.variant == "*":
@@ -510,9 +509,9 @@ class ClientWorker:
             if n is None:
                 h = prob.full_grad(theta) - jnp.asarray(state["grad_star"])
             else:
-                h = prob.batch_grad_diff(kb, theta, jnp.asarray(state["theta_star"]), n)
+                h = prob.batch_grad_diff(k_batch, theta, jnp.asarray(state["theta_star"]), n)
         else:
-            h = prob.oracle(kb, theta, n)
+            h = prob.oracle(k_batch, theta, n)
         if spec.memory_rate > 0:
             eta = state.get("eta")
             if eta is None or eta.size == 0:
