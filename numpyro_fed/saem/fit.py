@@ -39,6 +39,7 @@ from numpyro_fed.saem.model import (
     ModelInfo,
     data_signature,
     joint_layout,
+    log_joint_per_subject,
     merge_data,
     split_data,
     subject_layout,
@@ -65,7 +66,9 @@ class SAEMState(NamedTuple):
     - **theta** -- flat unconstrained :math:`\\theta_k`.
     - **estate** -- state of the E-step (its ``z`` holds the latents of every chain).
     - **mstate** -- state of the M-step (SA statistics, Newton's averages).
-    - **louis** -- SA averages ``(score, score score^T + Hessian)`` for the Louis information.
+    - **louis** -- SA averages ``(score, score score^T + Hessian)`` for the Louis information,
+      and the running average of the observed information :math:`-\\bar H - V` (see
+      :func:`fit_saem`).
     - **rng_key** -- random key.
     - **bad_iter** -- first iteration with a non-finite E-step (-1: none; -2: burn-in).
     - **bad_theta** -- :math:`\\theta` (unconstrained) at that iteration.
@@ -85,16 +88,41 @@ class SAEMState(NamedTuple):
 _BURN, _ITER, _DRAW, _PAD = 0, 1, 2, 3
 
 
-def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None, use_fisher: bool):
+def _louis_newton_step(info_obs, g, gamma, theta, max_step, eig_floor=1e-4):
+    """:math:`\\gamma\\, I^{-1} g` with the eigenvalues of the (symmetrised) observed
+    information ``info_obs`` replaced by their absolute values and floored (saddle-free);
+    coordinate :math:`j` is clipped to ``max_step * max(1, |theta_j|)`` (relative to the
+    scale of an unconstrained coordinate: a log-scale parameter moves by at most a factor
+    :math:`e^{\\text{max\\_step}}`, a location of 1500 by 1500 max_step)."""
+    lam, V = jnp.linalg.eigh((info_obs + info_obs.T) / 2.0)
+    lam = jnp.abs(lam)
+    lam = jnp.maximum(lam, jnp.maximum(eig_floor * jnp.max(lam), 1e-12))
+    bound = max_step * jnp.maximum(1.0, jnp.abs(theta))
+    return jnp.clip(gamma * (V @ ((V.T @ g) / lam)), -bound, bound)
+
+
+def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None, use_fisher: bool,
+             max_step: float = 1.0):
     """The pure SAEM program: ``step(carry, x, data, aux, ids)`` for :func:`jax.lax.scan`.
 
-    ``x = (phase, gamma, num_steps, adapt, anneal, draw_index)``. ``carry = (state, zbuf,
-    accept_sum)``; ``zbuf`` collects the latents of the draws phase.
+    ``x = (phase, gamma, num_steps, adapt, anneal, draw_index, newton)``. ``carry = (state,
+    zbuf, accept_sum)``; ``zbuf`` collects the latents of the draws phase.
+
+    ``score_hess(theta, z, data, ids) -> (g (C, d), H (C, d, d), V (d, d))``: per chain the
+    complete-data score and Hessian, and :math:`V = \\sum_i \\mathrm{Cov}(s_i)`, the
+    covariance of the per-subject scores across chains summed over subjects (0 with one
+    chain). :math:`I_k = -\\bar H - V` estimates the observed (Louis) information at
+    :math:`\\theta_k`; its running average drives the iterations flagged ``newton``:
+    :math:`\\theta_{k+1} = \\theta_k + \\gamma_k \\bar I^{-1} \\bar g_k`, a
+    Robbins--Monro step on the observed score preconditioned by the observed information
+    (Gu & Kong 1998), whose rate does not depend on the fraction of missing information
+    (the rate of the EM map of the statistics, which makes a weakly identified variance
+    freeze under :math:`\\gamma_k = 1/k`).
     """
 
     def step(carry, x, data, aux, ids):
         state, zbuf, dacc = carry
-        ph, gamma, n, adapt, anneal, j = x
+        ph, gamma, n, adapt, anneal, j, newton = x
         key, k_e = random.split(state.rng_key)
         es, acc, finite = estep.step(k_e, state.estate, state.theta, data, n, adapt, ids)
         z = latents(es)
@@ -108,17 +136,24 @@ def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None, use_f
 
         def b_iter(_):
             g = jnp.asarray(gamma, dt)
-            sh = score_hess(theta, z, data) if score_hess is not None else None
+            sh = score_hess(theta, z, data, ids) if score_hess is not None else None
+            mean_sh = None if sh is None else (jnp.mean(sh[0], 0), jnp.mean(sh[1], 0))
             theta_new, mst = mstep.update(state.mstate, g, theta, z, data, aux, anneal,
-                                          None if sh is None else (jnp.mean(sh[0], 0),
-                                                                   jnp.mean(sh[1], 0)))
-            if use_fisher:
-                gs, Hs = sh
+                                          mean_sh)
+            louis = state.louis
+            if sh is not None:
+                gs, Hs, V = sh
+                gbar, Hbar = mean_sh
+                # observed information at theta_k, averaged with gain max(gamma/(1+9 gamma),
+                # 1/(k+1)): an average over ~10 iterations while gamma = 1, then over the
+                # averaging phase
+                gi = jnp.maximum(g / (1.0 + 9.0 * g), 1.0 / (state.k + 1.0).astype(dt))
+                I_avg = louis[2] + gi * ((-Hbar - V) - louis[2])
                 D_new = jnp.mean(Hs + gs[:, :, None] * gs[:, None, :], 0)
-                louis = (state.louis[0] + g * (jnp.mean(gs, 0) - state.louis[0]),
-                         state.louis[1] + g * (D_new - state.louis[1]))
-            else:
-                louis = state.louis
+                louis = (louis[0] + g * (gbar - louis[0]), louis[1] + g * (D_new - louis[1]),
+                         I_avg)
+                theta_nt = theta + _louis_newton_step(I_avg, gbar, g, theta, max_step)
+                theta_new = jnp.where(newton, theta_nt, theta_new)
             ok = finite & jnp.all(jnp.isfinite(theta_new))
             already = state.bad_iter != -1
             new = SAEMState(state.k + 1, theta_new, es, mst, louis, key, state.bad_iter,
@@ -159,7 +194,7 @@ class SAEM:
     marginal likelihood of a mixed-effects model on its natural scale: the E-step is
     per-subject MALA with step sizes and preconditioners adapted during the exploration phase
     plus 2 independence proposals from :math:`p(z\\mid\\theta)` per iteration (saemix's
-    kernels), ``ceil(50 / subjects)`` chains, saemix's schedule (300 exploration iterations
+    kernels), ``max(2, ceil(50 / subjects))`` chains, saemix's schedule (300 exploration iterations
     with simulated annealing of the variances, then 200 at :math:`\\gamma_k = 1/k`), the
     closed-form Gaussian M-step where it applies (SA-Newton elsewhere), and a convergence
     check at the end.
@@ -176,7 +211,7 @@ class SAEM:
     :param num_mcmc_steps: Langevin steps per SAEM iteration (``m``, default 4 as in the
         paper).
     :param num_chains: chains of :math:`z`; statistics are averaged over chains. Default:
-        ``ceil(50 / number of subjects)`` (1 without a subject plate).
+        ``max(2, ceil(50 / number of subjects))`` (2 without a subject plate).
     :param schedule: a :class:`Schedule` (default: saemix's, see :class:`Schedule`).
     :param mstep: ``"auto"`` (closed-form Gaussian where recognised, SA-Newton for the other
         parameters), ``"gaussian"`` (the same, but an error if nothing is recognised),
@@ -199,6 +234,15 @@ class SAEM:
     :param init_strategy: NumPyro initialisation strategy of the latents at :math:`\\theta_0`.
     :param init_jitter: standard deviation of the jitter of chains > 0 (unconstrained space).
     :param target_accept: target acceptance rate of the adaptive MALA.
+    :param averaging: how :math:`\\theta` moves once :math:`\\gamma_k < 1` (after the
+        exploration phase). ``"statistics"``: the M-step of the SA-averaged statistics (the
+        MCMC-SAEM paper's and saemix's algorithm; its rate is that of EM, so a weakly
+        identified variance -- a large fraction of missing information -- barely moves under
+        :math:`\\gamma_k = 1/k`). ``"newton"``: Robbins--Monro steps on the observed score
+        preconditioned by the running observed (Louis) information, :math:`\\theta_{k+1} =
+        \\theta_k + \\gamma_k \\bar I^{-1} \\bar g_k` (Gu & Kong 1998; see
+        :func:`fit_saem`). ``"auto"`` (default): ``"newton"`` with the built-in M-steps,
+        ``"statistics"`` with a user :class:`SufficientStatistics`.
     """
 
     def __init__(
@@ -223,8 +267,13 @@ class SAEM:
         init_strategy: Callable = init_to_median,
         init_jitter: float = 0.1,
         target_accept: float = 0.574,
+        averaging: str = "auto",
     ) -> None:
         self.model = model
+        if averaging not in ("auto", "newton", "statistics"):
+            raise ValueError(
+                f"averaging={averaging!r}: use 'auto', 'newton' or 'statistics'.")
+        self.averaging = averaging
         if isinstance(kernel, str):
             if kernel.lower() not in ("ula", "mala"):
                 raise ValueError(f"kernel={kernel!r}: use 'mala', 'ula' or an MCMCKernel.")
@@ -301,7 +350,13 @@ class SAEM:
             self.preconditioner, self.fisher,
             None if self.annealed is None else tuple(self.annealed), self.subject_plate,
             self.mh_blocks, self._prior_proposals, self.newton_damping, self.newton_max_step,
-            self.num_draws, self.init_strategy, self.init_jitter, self.target_accept))
+            self.num_draws, self.init_strategy, self.init_jitter, self.target_accept,
+            self.averaging))
+
+    def _averaging(self, mstep) -> str:
+        if self.averaging != "auto":
+            return self.averaging
+        return "statistics" if isinstance(mstep, UserMStep) else "newton"
 
     @property
     def num_chains(self) -> int:
@@ -329,9 +384,10 @@ class SAEM:
         st.layout = layout if layout is not None else joint_layout(info)
         st.has_subjects = layout is not None
         n_sub = st.layout.n if st.has_subjects else 1
+        # at least 2 chains: the spread of the scores across chains estimates the missing
+        # information of the Newton averaging phase (see fit_saem)
         st.num_chains = (self._num_chains if self._num_chains is not None
-                         else (max(1, math.ceil(MIN_CHAIN_SUBJECTS / n_sub))
-                               if st.has_subjects else 1))
+                         else max(2, math.ceil(MIN_CHAIN_SUBJECTS / n_sub)))
         if self._prior_proposals is not None:
             n_prior = self._prior_proposals
         else:
@@ -345,7 +401,7 @@ class SAEM:
             unknown = set(self.annealed) - set(info.param_names)
             if unknown:
                 raise ValueError(f"`annealed` names unknown param sites {sorted(unknown)}.")
-            ann_mask = np.zeros(info.dim_theta, bool)
+            ann_mask = np.zeros(info.dim_theta_c, bool)
             for i, n in enumerate(info.param_names):
                 if n in self.annealed:
                     ann_mask[info.param_offsets[i]:info.param_offsets[i + 1]] = True
@@ -382,19 +438,35 @@ class SAEM:
             st.latents = lambda es: es[0]
         st.estep = estep
         st.builtin = builtin
-        need_sh = st.use_fisher or getattr(mstep, "needs_score", False)
+        st.newton_averaging = self._averaging(mstep) == "newton"
+        need_sh = (st.use_fisher or getattr(mstep, "needs_score", False)
+                   or st.newton_averaging)
+        st.need_sh = need_sh
+        lay = st.layout
 
-        def score_hess(theta_u, z, data):
+        def score_hess(theta_u, z, data, ids):
             a, kw = data
 
-            def one(zf):
-                f = lambda t: info.log_joint(t, zf, a, kw)
-                return jax.grad(f)(theta_u), jax.hessian(f)(theta_u)
+            def per_subject(t, zf):
+                return log_joint_per_subject(info, lay, info.constrain_theta(t), zf, a, kw,
+                                             ids=ids)
 
-            return jax.vmap(one)(z)
+            def one(zf):
+                J, jr = jax.jacfwd(per_subject)(theta_u, zf)
+                H = jax.hessian(lambda t: info.log_joint(t, zf, a, kw))(theta_u)
+                return jnp.sum(J, 0) + jr, H, J
+
+            gs, Hs, J = jax.vmap(one)(z)
+            C = J.shape[0]
+            if C > 1:
+                Jc = J - jnp.mean(J, 0)
+                V = jnp.einsum("cni,cnj->ij", Jc, Jc) / (C - 1)
+            else:
+                V = jnp.zeros(Hs.shape[1:], Hs.dtype)
+            return gs, Hs, V
 
         st.step = fit_saem(estep, mstep, st.latents, score_hess if need_sh else None,
-                           st.use_fisher)
+                           st.use_fisher, self.newton_max_step)
         st.programs = {}
         st.first_run = True
         return st
@@ -451,7 +523,8 @@ class SAEM:
             mshape = jax.eval_shape(lambda t, z: mstep.init(t, z, data, aux), theta0, z0)
             mst = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mshape)
             d, dt = info.dim_theta, theta0.dtype
-            louis = (jnp.zeros(d, dt), jnp.zeros((d, d), dt)) if st.use_fisher else ()
+            louis = ((jnp.zeros(d, dt), jnp.zeros((d, d), dt), jnp.zeros((d, d), dt))
+                     if st.need_sh else ())
             state = SAEMState(jnp.zeros((), jnp.int32), theta0, es, mst, louis, k_run,
                               jnp.full((), -1, jnp.int32), theta0)
             return state, z0, aux, per_site
@@ -490,8 +563,11 @@ class SAEM:
         adapt = np.concatenate([np.ones(B1, bool), kk < n_expl, np.zeros(T, bool)])
         anneal = np.concatenate([np.zeros(B1, bool), kk < n_ann, np.zeros(T, bool)])
         jdraw = np.concatenate([np.zeros(B1 + K), np.arange(T)])
+        newton = np.concatenate([np.zeros(B1, bool),
+                                 (kk >= sch.num_exploration) & st.newton_averaging,
+                                 np.zeros(T, bool)])
         return (phase.astype(np.int32), gam, nst.astype(np.int32), adapt, anneal,
-                jdraw.astype(np.int32)), B1, K, T
+                jdraw.astype(np.int32), newton), B1, K, T
 
     # ------------------------------------------------------------------ run
     def run(
@@ -561,7 +637,8 @@ class SAEM:
               np.concatenate([xs[2], np.zeros(pad, np.int32)]),
               np.concatenate([xs[3], np.zeros(pad, bool)]),
               np.concatenate([xs[4], np.zeros(pad, bool)]),
-              np.concatenate([xs[5], np.zeros(pad, np.int32)]))
+              np.concatenate([xs[5], np.zeros(pad, np.int32)]),
+              np.concatenate([xs[6], np.zeros(pad, bool)]))
         thetas, accs = [], []
         bar = None
         if progress_bar:
@@ -602,7 +679,7 @@ class SAEM:
             ids=ids, theta=np.asarray(state.theta),
             thetas_u=thetas[B1:B1 + K], gammas=self.gammas, accs=accs[B1:B1 + K],
             zs=np.asarray(zs), accept_final=float(dacc) / max(T, 1),
-            louis=None if not st.use_fisher else tuple(np.asarray(v) for v in state.louis),
+            louis=None if not st.use_fisher else tuple(np.asarray(v) for v in state.louis[:2]),
             mstep=st.mstep.kind, args=args, kwargs=kwargs,
             num_exploration=self.schedule.num_exploration, settings=self._describe(st),
         )
@@ -636,6 +713,7 @@ class SAEM:
             "adaptive": self.step_size is None and st.builtin,
             "num_iters": len(self.gammas), "num_exploration": self.schedule.num_exploration,
             "use_fisher": st.use_fisher,
+            "averaging": "newton" if st.newton_averaging else "statistics",
         }
 
 

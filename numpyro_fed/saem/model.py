@@ -146,9 +146,15 @@ class ModelInfo:
             else:
                 idx = np.array(np.unravel_index(np.arange(size), np.shape(theta0_c[n]))).T
                 self.theta_coord_names += [f"{n}[{','.join(map(str, i))}]" for i in idx]
+        #: offsets of each param site in the flat constrained / unconstrained vectors (they
+        #: differ for matrix constraints: a q x q ``lower_cholesky`` has q(q+1)/2 coordinates)
         self.param_offsets = np.cumsum(
             [0] + [int(np.size(theta0_c[n])) for n in self.param_names]
         )
+        self.param_offsets_u = np.cumsum(
+            [0] + [int(np.size(theta0_u[n])) for n in self.param_names]
+        )
+        self.dim_theta_c = int(self.param_offsets[-1])
 
     # -- theta ------------------------------------------------------------------------------
     def constrain_theta(self, theta_u_flat) -> dict:

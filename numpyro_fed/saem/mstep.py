@@ -447,7 +447,8 @@ class NewtonMStep:
 
 
 def _positive_mask(info: ModelInfo) -> np.ndarray:
-    m = np.zeros(info.dim_theta, bool)
+    """Coordinates of the flat *constrained* theta that belong to positive params."""
+    m = np.zeros(info.dim_theta_c, bool)
     for i, n in enumerate(info.param_names):
         if _is_positive(info.param_constraints[n]):
             m[info.param_offsets[i]:info.param_offsets[i + 1]] = True
@@ -542,7 +543,14 @@ class GaussianMStep:
         self.damping, self.max_step, self.eig_floor = float(damping), float(max_step), eig_floor
         self.tau = float(anneal_factor)
         self.needs_score = bool(spec.newton_idx.size)
-        d = info.dim_theta
+        # spec indices are in the flat constrained theta; SA-Newton works on the unconstrained
+        # coordinates of the same param sites
+        d = info.dim_theta_c
+        coord_param = np.repeat(np.arange(len(info.param_names)), np.diff(info.param_offsets))
+        newton_params = np.unique(coord_param[spec.newton_idx])
+        self.newton_idx_u = (np.concatenate(
+            [np.arange(info.param_offsets_u[i], info.param_offsets_u[i + 1])
+             for i in newton_params]) if newton_params.size else np.zeros(0, int))
         self.cnt_lat = np.bincount(spec.lat_g, minlength=d).astype(np.float64)
         self.is_lat_scale = np.zeros(d, bool)
         self.is_lat_scale[spec.scale_lat_idx] = True
@@ -579,7 +587,7 @@ class GaussianMStep:
         beta0 = tcf[li]
         loc0, mloc0 = locs(beta0)
         J, mJ = jax.jacfwd(locs)(beta0)
-        A = J.reshape(loc0.shape[0], -1)
+        A = J.reshape(loc0.shape[0], beta0.shape[0])
         c = loc0 - A @ beta0
         mvn_A = tuple(j.reshape(m.shape + (-1,)) for j, m in zip(mJ, mloc0, strict=True))
         mvn_c = tuple(m - jnp.einsum("rqp,p->rq", a, beta0) for a, m in
@@ -593,7 +601,7 @@ class GaussianMStep:
     def _stats_one(self, theta_c, zf, data):
         args, kwargs = data
         info, spec = self.info, self.spec
-        d = info.dim_theta
+        d = info.dim_theta_c
         zc, _ = info.constrain_z(zf)
         zl = (jnp.concatenate([zc[n].reshape(-1) for n in spec.diag_sites]) if spec.diag_sites
               else jnp.zeros(0, zf.dtype))
@@ -631,7 +639,7 @@ class GaussianMStep:
     # -- maximisation ------------------------------------------------------------------------
     def _maximize(self, s, t, aux: GaussianAux, anneal):
         spec = self.spec
-        d = self.info.dim_theta
+        d = self.info.dim_theta_c
         A, c = aux.A, aux.c
         lat_g = jnp.asarray(spec.lat_g)
         lat_r = aux.lat_r
@@ -709,14 +717,14 @@ class GaussianMStep:
         return ravel_pytree(tc)[0]
 
     def update(self, state: GaussianState, gamma, theta_u, z, data, aux, anneal, score_hess):
-        info, spec = self.info, self.spec
+        info = self.info
         s_new = self._mean_stats(theta_u, z, data)
         s = jax.tree.map(lambda a, b: a + gamma * (b - a), state.s, s_new)
         t = self._maximize(s, info.theta_c_flat(theta_u), aux, anneal)
         theta_new = info.unconstrain_theta(self._unravel_c(t))
         nw = state.newton
         if self.needs_score:
-            idx = jnp.asarray(spec.newton_idx)
+            idx = jnp.asarray(self.newton_idx_u)
             sc, he = score_hess
             sub = NewtonState(nw.g[idx], nw.H[idx][:, idx], nw.Hmod[idx][:, idx])
             step, sub = _newton_step(sub, gamma, sc[idx], he[idx][:, idx], self.damping,
