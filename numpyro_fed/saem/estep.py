@@ -315,7 +315,18 @@ class LangevinEStep:
             mode, cov = self._track(random.fold_in(key, 7), state, z, theta_c, data, ids)
             return LangevinEStepState(z, lh, log_avg, mode, cov, self._chol(cov), cnt + 1.0)
 
-        out = lax.cond(adapt & finite, adapted, lambda _: state._replace(z=z), None)
+        if self.full:
+            # the metric keeps following theta after the adaptation (the step size is frozen):
+            # it is a function of theta and of the tracked modes only, and a variance that
+            # shrinks in the averaging phase would otherwise leave a metric too wide
+            def tracked(_):
+                mode, cov = self._track(random.fold_in(key, 7), state, z, theta_c, data, ids)
+                return state._replace(z=z, mean=mode, cov=cov, chol=self._chol(cov))
+
+            frozen = tracked
+        else:
+            frozen = lambda _: state._replace(z=z)  # noqa: E731
+        out = lax.cond(adapt & finite, adapted, frozen, None)
         return out, acc, finite
 
     def _prior_mh(self, key, z, theta_c, data, ids):
@@ -338,6 +349,11 @@ class LangevinEStep:
             return self.from_blocks(jnp.where(ok[..., None], yb, zb))
 
         return lax.fori_loop(0, self.n_prior, body, z)
+
+    def shift(self, state: LangevinEStepState, dz) -> LangevinEStepState:
+        """Move every chain and the tracked modes by ``-dz`` (flat; SAEM's centred
+        coordinates, see :func:`~numpyro_fed.saem.model.centring_design`)."""
+        return state._replace(z=state.z - dz, mean=state.mean - dz)
 
     def step_size_summary(self, state: LangevinEStepState) -> str:
         h = np.exp(np.asarray(state.log_step_avg if self.adaptive else state.log_step))
@@ -394,6 +410,10 @@ class NumPyroEStep:
                 "With a federated E-step kernel, pass the data to SAEM.run as keyword "
                 "arguments (the kernel takes the per-row data from its ClientPartition)."
             )
+
+    def shift(self, state, dz):
+        """No centring for user kernels (their state is theirs): unchanged."""
+        return state
 
     def step_size_summary(self, state: Any = None) -> str:
         s = getattr(self.kernel, "step_size", None)

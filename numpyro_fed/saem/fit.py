@@ -37,9 +37,9 @@ from numpyro_fed.kernels.base import DivergenceError
 from numpyro_fed.saem.estep import LangevinEStep, NumPyroEStep, flat_preconditioner
 from numpyro_fed.saem.model import (
     ModelInfo,
+    centring_design,
     data_signature,
     joint_layout,
-    log_joint_per_subject,
     merge_data,
     split_data,
     subject_layout,
@@ -88,41 +88,24 @@ class SAEMState(NamedTuple):
 _BURN, _ITER, _DRAW, _PAD = 0, 1, 2, 3
 
 
-def _louis_newton_step(info_obs, g, gamma, theta, max_step, eig_floor=1e-4):
-    """:math:`\\gamma\\, I^{-1} g` with the eigenvalues of the (symmetrised) observed
-    information ``info_obs`` replaced by their absolute values and floored (saddle-free);
-    coordinate :math:`j` is clipped to ``max_step * max(1, |theta_j|)`` (relative to the
-    scale of an unconstrained coordinate: a log-scale parameter moves by at most a factor
-    :math:`e^{\\text{max\\_step}}`, a location of 1500 by 1500 max_step)."""
-    lam, V = jnp.linalg.eigh((info_obs + info_obs.T) / 2.0)
-    lam = jnp.abs(lam)
-    lam = jnp.maximum(lam, jnp.maximum(eig_floor * jnp.max(lam), 1e-12))
-    bound = max_step * jnp.maximum(1.0, jnp.abs(theta))
-    return jnp.clip(gamma * (V @ ((V.T @ g) / lam)), -bound, bound)
-
-
-def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None, use_fisher: bool,
-             max_step: float = 1.0):
+def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None, use_fisher: bool):
     """The pure SAEM program: ``step(carry, x, data, aux, ids)`` for :func:`jax.lax.scan`.
 
-    ``x = (phase, gamma, num_steps, adapt, anneal, draw_index, newton)``. ``carry = (state,
-    zbuf, accept_sum)``; ``zbuf`` collects the latents of the draws phase.
+    ``x = (phase, gamma, num_steps, adapt, anneal, draw_index)``;
+    ``carry = (state, zbuf, accept_sum)``; ``zbuf`` collects the latents of the draws phase;
+    ``aux = (M-step constants, M)`` with ``M`` the centring design
+    (:func:`~numpyro_fed.saem.model.centring_design`): after each update of
+    :math:`\\theta` the chains move by :math:`-M\\,\\Delta\\theta`.
 
-    ``score_hess(theta, z, data, ids) -> (g (C, d), H (C, d, d), V (d, d))``: per chain the
-    complete-data score and Hessian, and :math:`V = \\sum_i \\mathrm{Cov}(s_i)`, the
-    covariance of the per-subject scores across chains summed over subjects (0 with one
-    chain). :math:`I_k = -\\bar H - V` estimates the observed (Louis) information at
-    :math:`\\theta_k`; its running average drives the iterations flagged ``newton``:
-    :math:`\\theta_{k+1} = \\theta_k + \\gamma_k \\bar I^{-1} \\bar g_k`, a
-    Robbins--Monro step on the observed score preconditioned by the observed information
-    (Gu & Kong 1998), whose rate does not depend on the fraction of missing information
-    (the rate of the EM map of the statistics, which makes a weakly identified variance
-    freeze under :math:`\\gamma_k = 1/k`).
+    ``score_hess(theta, z, data, M) -> (g (C, d), H (C, d, d))``: per chain the
+    complete-data score and Hessian (centred: along :math:`z - M(\\theta' - \\theta)`),
+    for the Newton M-step and the Louis information.
     """
 
     def step(carry, x, data, aux, ids):
+        aux, M = aux
         state, zbuf, dacc = carry
-        ph, gamma, n, adapt, anneal, j, newton = x
+        ph, gamma, n, adapt, anneal, j = x
         key, k_e = random.split(state.rng_key)
         es, acc, finite = estep.step(k_e, state.estate, state.theta, data, n, adapt, ids)
         z = latents(es)
@@ -136,30 +119,26 @@ def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None, use_f
 
         def b_iter(_):
             g = jnp.asarray(gamma, dt)
-            sh = score_hess(theta, z, data, ids) if score_hess is not None else None
+            sh = score_hess(theta, z, data, M) if score_hess is not None else None
             mean_sh = None if sh is None else (jnp.mean(sh[0], 0), jnp.mean(sh[1], 0))
             theta_new, mst = mstep.update(state.mstate, g, theta, z, data, aux, anneal,
                                           mean_sh)
-            louis = state.louis
-            if sh is not None:
-                gs, Hs, V = sh
-                gbar, Hbar = mean_sh
-                # observed information at theta_k, averaged with gain max(gamma/(1+9 gamma),
-                # 1/(k+1)): an average over ~10 iterations while gamma = 1, then over the
-                # averaging phase
-                gi = jnp.maximum(g / (1.0 + 9.0 * g), 1.0 / (state.k + 1.0).astype(dt))
-                I_avg = louis[2] + gi * ((-Hbar - V) - louis[2])
+            if use_fisher:
+                gs, Hs = sh
                 D_new = jnp.mean(Hs + gs[:, :, None] * gs[:, None, :], 0)
-                louis = (louis[0] + g * (gbar - louis[0]), louis[1] + g * (D_new - louis[1]),
-                         I_avg)
-                theta_nt = theta + _louis_newton_step(I_avg, gbar, g, theta, max_step)
-                theta_new = jnp.where(newton, theta_nt, theta_new)
+                louis = (state.louis[0] + g * (mean_sh[0] - state.louis[0]),
+                         state.louis[1] + g * (D_new - state.louis[1]))
+            else:
+                louis = state.louis
             ok = finite & jnp.all(jnp.isfinite(theta_new))
             already = state.bad_iter != -1
             new = SAEMState(state.k + 1, theta_new, es, mst, louis, key, state.bad_iter,
                             state.bad_theta)
             keep = already | ~ok
             out = jax.tree.map(lambda a, b: jnp.where(keep, a, b), state, new)
+            # centred coordinates: the chains move with theta (z - M dtheta; see
+            # centring_design)
+            out = out._replace(estate=estep.shift(out.estate, M @ (out.theta - theta)))
             flag = ~already & ~ok
             return out._replace(
                 rng_key=key, bad_iter=jnp.where(flag, state.k, state.bad_iter),
@@ -211,7 +190,9 @@ class SAEM:
     :param num_mcmc_steps: Langevin steps per SAEM iteration (``m``, default 4 as in the
         paper).
     :param num_chains: chains of :math:`z`; statistics are averaged over chains. Default:
-        ``max(2, ceil(50 / number of subjects))`` (2 without a subject plate).
+        ``max(2, ceil(50 / number of subjects))`` (2 without a subject plate): chains x
+        subjects >= 50 as in saemix, and at least two chains, which halves the Monte Carlo
+        variance of the statistics of a model with many subjects at twice the E-step cost.
     :param schedule: a :class:`Schedule` (default: saemix's, see :class:`Schedule`).
     :param mstep: ``"auto"`` (closed-form Gaussian where recognised, SA-Newton for the other
         parameters), ``"gaussian"`` (the same, but an error if nothing is recognised),
@@ -229,20 +210,16 @@ class SAEM:
     :param prior_proposals: independence MH moves from :math:`p(z\\mid\\theta)` per E-step
         (saemix's kernel 1). Default: 2 when there are subjects, else 0.
     :param newton_damping: damping :math:`\\delta` of the Newton M-step.
-    :param newton_max_step: per-coordinate clip of a Newton step (unconstrained units).
+    :param newton_max_step: per-coordinate clip of a Newton step, relative: coordinate
+        :math:`j` moves by at most ``newton_max_step * max(1, |theta_j|)`` (unconstrained).
     :param num_draws: draws per chain of :math:`z` kept at the final :math:`\\theta`.
     :param init_strategy: NumPyro initialisation strategy of the latents at :math:`\\theta_0`.
     :param init_jitter: standard deviation of the jitter of chains > 0 (unconstrained space).
     :param target_accept: target acceptance rate of the adaptive MALA.
-    :param averaging: how :math:`\\theta` moves once :math:`\\gamma_k < 1` (after the
-        exploration phase). ``"statistics"``: the M-step of the SA-averaged statistics (the
-        MCMC-SAEM paper's and saemix's algorithm; its rate is that of EM, so a weakly
-        identified variance -- a large fraction of missing information -- barely moves under
-        :math:`\\gamma_k = 1/k`). ``"newton"``: Robbins--Monro steps on the observed score
-        preconditioned by the running observed (Louis) information, :math:`\\theta_{k+1} =
-        \\theta_k + \\gamma_k \\bar I^{-1} \\bar g_k` (Gu & Kong 1998; see
-        :func:`fit_saem`). ``"auto"`` (default): ``"newton"`` with the built-in M-steps,
-        ``"statistics"`` with a user :class:`SufficientStatistics`.
+    :param centring: with the built-in E-steps, work in the centred coordinates of
+        zero-mean random effects whose fixed effects sit in the likelihood (see
+        :func:`~numpyro_fed.saem.model.centring_design`); the estimates are the same, the
+        convergence much faster. ``False``: the model's own coordinates.
     """
 
     def __init__(
@@ -267,13 +244,10 @@ class SAEM:
         init_strategy: Callable = init_to_median,
         init_jitter: float = 0.1,
         target_accept: float = 0.574,
-        averaging: str = "auto",
+        centring: bool = True,
     ) -> None:
         self.model = model
-        if averaging not in ("auto", "newton", "statistics"):
-            raise ValueError(
-                f"averaging={averaging!r}: use 'auto', 'newton' or 'statistics'.")
-        self.averaging = averaging
+        self.centring = bool(centring)
         if isinstance(kernel, str):
             if kernel.lower() not in ("ula", "mala"):
                 raise ValueError(f"kernel={kernel!r}: use 'mala', 'ula' or an MCMCKernel.")
@@ -351,12 +325,7 @@ class SAEM:
             None if self.annealed is None else tuple(self.annealed), self.subject_plate,
             self.mh_blocks, self._prior_proposals, self.newton_damping, self.newton_max_step,
             self.num_draws, self.init_strategy, self.init_jitter, self.target_accept,
-            self.averaging))
-
-    def _averaging(self, mstep) -> str:
-        if self.averaging != "auto":
-            return self.averaging
-        return "statistics" if isinstance(mstep, UserMStep) else "newton"
+            self.centring))
 
     @property
     def num_chains(self) -> int:
@@ -384,8 +353,6 @@ class SAEM:
         st.layout = layout if layout is not None else joint_layout(info)
         st.has_subjects = layout is not None
         n_sub = st.layout.n if st.has_subjects else 1
-        # at least 2 chains: the spread of the scores across chains estimates the missing
-        # information of the Newton averaging phase (see fit_saem)
         st.num_chains = (self._num_chains if self._num_chains is not None
                          else max(2, math.ceil(MIN_CHAIN_SUBJECTS / n_sub)))
         if self._prior_proposals is not None:
@@ -438,35 +405,22 @@ class SAEM:
             st.latents = lambda es: es[0]
         st.estep = estep
         st.builtin = builtin
-        st.newton_averaging = self._averaging(mstep) == "newton"
-        need_sh = (st.use_fisher or getattr(mstep, "needs_score", False)
-                   or st.newton_averaging)
+        need_sh = st.use_fisher or getattr(mstep, "needs_score", False)
         st.need_sh = need_sh
-        lay = st.layout
 
-        def score_hess(theta_u, z, data, ids):
+        def score_hess(theta_u, z, data, M):
             a, kw = data
 
-            def per_subject(t, zf):
-                return log_joint_per_subject(info, lay, info.constrain_theta(t), zf, a, kw,
-                                             ids=ids)
-
+            # derivatives along z(t) = z - M (t - theta): the centred complete-data
+            # log-likelihood (see centring_design)
             def one(zf):
-                J, jr = jax.jacfwd(per_subject)(theta_u, zf)
-                H = jax.hessian(lambda t: info.log_joint(t, zf, a, kw))(theta_u)
-                return jnp.sum(J, 0) + jr, H, J
+                f = lambda t: info.log_joint(t, zf - M @ (t - theta_u), a, kw)  # noqa: E731
+                return jax.grad(f)(theta_u), jax.hessian(f)(theta_u)
 
-            gs, Hs, J = jax.vmap(one)(z)
-            C = J.shape[0]
-            if C > 1:
-                Jc = J - jnp.mean(J, 0)
-                V = jnp.einsum("cni,cnj->ij", Jc, Jc) / (C - 1)
-            else:
-                V = jnp.zeros(Hs.shape[1:], Hs.dtype)
-            return gs, Hs, V
+            return jax.vmap(one)(z)
 
         st.step = fit_saem(estep, mstep, st.latents, score_hess if need_sh else None,
-                           st.use_fisher, self.newton_max_step)
+                           st.use_fisher)
         st.programs = {}
         st.first_run = True
         return st
@@ -501,7 +455,10 @@ class SAEM:
         strat, jitter = self.init_strategy, self.init_jitter
         model = self.model
 
-        def init(theta0, arrays, key):
+        lay = st.layout
+        centre = st.builtin and st.has_subjects and self.centring
+
+        def init(theta0, arrays, key, ids):
             args, kwargs = merge_data(arrays, static)
             data = (args, kwargs)
             theta_c = info.constrain_theta(theta0)
@@ -519,12 +476,15 @@ class SAEM:
             # per-site finiteness at the initial point (a clear error if not)
             per_site = _site_finite(info, theta_c, z0[0], args, kwargs)
             aux = mstep.prepare(theta0, z0, data)
+            M = (centring_design(info, lay, theta0, z0[0], args, kwargs,
+                                 random.fold_in(key, 11), ids=ids) if centre
+                 else jnp.zeros((z0.shape[1], theta0.shape[0]), z0.dtype))
+            aux = (aux, M)
             es = estep.init(k_e, z0, theta0, data, None) if st.builtin else None
-            mshape = jax.eval_shape(lambda t, z: mstep.init(t, z, data, aux), theta0, z0)
+            mshape = jax.eval_shape(lambda t, z: mstep.init(t, z, data, aux[0]), theta0, z0)
             mst = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mshape)
             d, dt = info.dim_theta, theta0.dtype
-            louis = ((jnp.zeros(d, dt), jnp.zeros((d, d), dt), jnp.zeros((d, d), dt))
-                     if st.need_sh else ())
+            louis = (jnp.zeros(d, dt), jnp.zeros((d, d), dt)) if st.use_fisher else ()
             state = SAEMState(jnp.zeros((), jnp.int32), theta0, es, mst, louis, k_run,
                               jnp.full((), -1, jnp.int32), theta0)
             return state, z0, aux, per_site
@@ -563,11 +523,8 @@ class SAEM:
         adapt = np.concatenate([np.ones(B1, bool), kk < n_expl, np.zeros(T, bool)])
         anneal = np.concatenate([np.zeros(B1, bool), kk < n_ann, np.zeros(T, bool)])
         jdraw = np.concatenate([np.zeros(B1 + K), np.arange(T)])
-        newton = np.concatenate([np.zeros(B1, bool),
-                                 (kk >= sch.num_exploration) & st.newton_averaging,
-                                 np.zeros(T, bool)])
         return (phase.astype(np.int32), gam, nst.astype(np.int32), adapt, anneal,
-                jdraw.astype(np.int32), newton), B1, K, T
+                jdraw.astype(np.int32)), B1, K, T
 
     # ------------------------------------------------------------------ run
     def run(
@@ -612,7 +569,7 @@ class SAEM:
         theta0 = jnp.asarray(theta0, dtype=jnp.result_type(theta0.dtype))
         ids = self._ids(st, arrays, rng_key)
         init = self._init_program(st, static)
-        state, z0, aux, per_site = init(theta0, arrays, random.fold_in(rng_key, 1))
+        state, z0, aux, per_site = init(theta0, arrays, random.fold_in(rng_key, 1), ids)
         if not bool(np.all(np.asarray(per_site))):
             info.check_finite_at(info.constrain_theta(theta0), z0[0], args, kwargs)
         if not st.builtin:
@@ -637,8 +594,7 @@ class SAEM:
               np.concatenate([xs[2], np.zeros(pad, np.int32)]),
               np.concatenate([xs[3], np.zeros(pad, bool)]),
               np.concatenate([xs[4], np.zeros(pad, bool)]),
-              np.concatenate([xs[5], np.zeros(pad, np.int32)]),
-              np.concatenate([xs[6], np.zeros(pad, bool)]))
+              np.concatenate([xs[5], np.zeros(pad, np.int32)]))
         thetas, accs = [], []
         bar = None
         if progress_bar:
@@ -679,7 +635,7 @@ class SAEM:
             ids=ids, theta=np.asarray(state.theta),
             thetas_u=thetas[B1:B1 + K], gammas=self.gammas, accs=accs[B1:B1 + K],
             zs=np.asarray(zs), accept_final=float(dacc) / max(T, 1),
-            louis=None if not st.use_fisher else tuple(np.asarray(v) for v in state.louis[:2]),
+            louis=None if not st.use_fisher else tuple(np.asarray(v) for v in state.louis),
             mstep=st.mstep.kind, args=args, kwargs=kwargs,
             num_exploration=self.schedule.num_exploration, settings=self._describe(st),
         )
@@ -713,7 +669,7 @@ class SAEM:
             "adaptive": self.step_size is None and st.builtin,
             "num_iters": len(self.gammas), "num_exploration": self.schedule.num_exploration,
             "use_fisher": st.use_fisher,
-            "averaging": "newton" if st.newton_averaging else "statistics",
+            "centring": bool(st.builtin and st.has_subjects and self.centring),
         }
 
 

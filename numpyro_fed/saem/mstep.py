@@ -284,8 +284,13 @@ def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | 
                 shared = own & enters[m]
                 if not shared:
                     continue
-                # a location coefficient may be shared with another closed-form latent site
-                ok = m in others_loc and shared <= (cand_lat[n]["loc"] & cand_lat[m]["loc"])
+                # a location coefficient may be shared with another closed-form latent site,
+                # and so may a (vector) scale parameter between diagonal sites (each element
+                # is matched to its coordinate, e.g. omega[0] and omega[1] of two sites)
+                ok = m in others_loc and (
+                    shared <= (cand_lat[n]["loc"] & cand_lat[m]["loc"])
+                    or (shared <= (cand_lat[n]["scale"] & cand_lat[m]["scale"])
+                        and cand_lat[n]["kind"] == cand_lat[m]["kind"] == "diag"))
                 if not ok:
                     del cand_lat[n]
                     changed = True
@@ -390,14 +395,17 @@ class NewtonState(NamedTuple):
     Hmod: jax.Array
 
 
-def _newton_step(state: NewtonState, gamma, sc, he, damping, max_step, eig_floor):
+def _newton_step(state: NewtonState, gamma, sc, he, damping, max_step, eig_floor, theta):
     g = state.g + gamma * (sc - state.g)
     H = state.H + gamma * (he - state.H)
     lam, V = jnp.linalg.eigh(-(H + H.T) / 2.0)
     lam = jnp.abs(lam)
     lam = jnp.maximum(lam, jnp.maximum(eig_floor * jnp.max(lam), 1e-12))
     step = damping * (V @ ((V.T @ g) / lam))
-    step = jnp.clip(step, -max_step, max_step)
+    # relative to the coordinate's scale: a log-parameter by a factor e^max_step at most, a
+    # location of 1500 by 1500 max_step
+    bound = max_step * jnp.maximum(1.0, jnp.abs(theta))
+    step = jnp.clip(step, -bound, bound)
     Hmod = -(V * lam) @ V.T
     return step, NewtonState(g, H, Hmod)
 
@@ -412,7 +420,8 @@ class NewtonMStep:
     :math:`\\theta^+ = \\theta + \\gamma (-H)^{-1}\\nabla\\log p(y, z\\mid\\theta)`.
     Where :math:`-H` is not positive definite (far from the maximum) its eigenvalues are
     replaced by their absolute values (saddle-free Newton, Dauphin et al. 2014), floored at
-    ``eig_floor`` times the largest; each coordinate of a step is clipped to ``max_step``.
+    ``eig_floor`` times the largest; coordinate :math:`j` of a step is clipped to
+    ``max_step * max(1, |theta_j|)``.
     Annealing floors positive scalar parameters at ``sqrt(anneal_factor)`` times their
     previous value.
     """
@@ -439,7 +448,7 @@ class NewtonMStep:
     def update(self, state, gamma, theta_u, z, data, aux, anneal, score_hess):
         sc, he = score_hess
         step, st = _newton_step(state, gamma, sc, he, self.damping, self.max_step,
-                                self.eig_floor)
+                                self.eig_floor, theta_u)
         theta_new = _anneal_flat(self.info, theta_u, theta_u + step, self.annealed, anneal,
                                  self.tau)
         st = st._replace(g=st.g + st.Hmod @ (theta_new - theta_u))
@@ -728,7 +737,7 @@ class GaussianMStep:
             sc, he = score_hess
             sub = NewtonState(nw.g[idx], nw.H[idx][:, idx], nw.Hmod[idx][:, idx])
             step, sub = _newton_step(sub, gamma, sc[idx], he[idx][:, idx], self.damping,
-                                     self.max_step, self.eig_floor)
+                                     self.max_step, self.eig_floor, theta_new[idx])
             cand = theta_new.at[idx].add(step)
             cand = _anneal_flat(info, theta_u, cand, self.newton_annealed, anneal, self.tau)
             delta = (cand - theta_u)[idx]
