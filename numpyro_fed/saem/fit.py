@@ -638,6 +638,7 @@ class SAEM:
             louis=None if not st.use_fisher else tuple(np.asarray(v) for v in state.louis),
             mstep=st.mstep.kind, args=args, kwargs=kwargs,
             num_exploration=self.schedule.num_exploration, settings=self._describe(st),
+            programs=st.programs.setdefault("result", {}),
         )
         res.check_convergence(warn=True)
         return res

@@ -32,7 +32,7 @@ class SAEMResult:
 
     def __init__(self, *, model, info: ModelInfo, layout: SubjectLayout | None, ids, theta,
                  thetas_u, gammas, accs, zs, accept_final, louis, mstep, args, kwargs,
-                 num_exploration, settings) -> None:
+                 num_exploration, settings, programs: dict | None = None) -> None:
         import pandas as pd
 
         self.model = model
@@ -55,6 +55,25 @@ class SAEMResult:
         self.num_exploration = int(num_exploration)
         self.settings = dict(settings)
         self._ll: dict = {}
+        # compiled likelihood programs, shared by every fit of the same structure (the data
+        # are arguments), so that a repeated fit does not recompile them
+        self._programs = {} if programs is None else programs
+
+    def _program(self, name: str, build):
+        """A compiled ``f(arrays, ids, *args)`` of ``build(args, kwargs)``, cached per
+        structure and name."""
+        from numpyro_fed.saem.model import merge_data, split_data
+
+        arrays, static = split_data(self.args, self.kwargs)
+        key = (name, repr(static))
+        prog = self._programs.get(key)
+        if prog is None:
+            def f(arrays, ids, *a):
+                args, kwargs = merge_data(arrays, static)
+                return build(args, kwargs, ids)(*a)
+
+            prog = self._programs[key] = jax.jit(f)
+        return lambda *a: prog(arrays, self.ids, *a)
 
     # -- estimates ----------------------------------------------------------------------------
     @property
@@ -157,18 +176,21 @@ class SAEMResult:
         n = lay.n
         zs = jnp.asarray(self.z_draws)
         if method == "is":
-            ll_i, var_i, rest = jax.jit(
-                lambda tc, zs, key: lik.importance_sampling(
-                    info, layout, self.ids, tc, zs, args, kwargs, key,
-                    num_samples=num_samples, df=df, batch_size=batch_size)
-            )(theta_c, zs, key)
+            prog = self._program(
+                ("is", num_samples, df, batch_size),
+                lambda a, kw, ids: lambda tc, zs, key: lik.importance_sampling(
+                    info, layout, ids, tc, zs, a, kw, key, num_samples=num_samples, df=df,
+                    batch_size=batch_size))
+            ll_i, var_i, rest = prog(theta_c, zs, key)
             se = float(2 * np.sqrt(np.sum(np.asarray(var_i, np.float64))))
         else:
             z_init = jnp.mean(zs.reshape(-1, zs.shape[-1]), 0)
             fn = lik.gauss_hermite if method == "gq" else lik.laplace
             kw = {"num_nodes": num_nodes} if method == "gq" else {}
-            ll_i, rest = jax.jit(lambda tc, z0: fn(info, layout, self.ids, tc, z0, args, kwargs,
-                                                   **kw))(theta_c, z_init)
+            prog = self._program(
+                (method, num_nodes),
+                lambda a, kwa, ids: lambda tc, z0: fn(info, layout, ids, tc, z0, a, kwa, **kw))
+            ll_i, rest = prog(theta_c, z_init)
             se = 0.0
         ll_i = np.asarray(ll_i, np.float64)
         if not np.all(np.isfinite(ll_i)):
