@@ -67,3 +67,19 @@ def test_defaults_are_reproducible_and_compile_once():
     c = saem.run(jax.random.key(0), **{**case.data, "y": y2})
     assert saem.structure is st
     assert c.params["mu"] == pytest.approx(a.params["mu"] + 100.0, rel=2e-3)
+
+
+def test_unseen_example_smoke(tmp_path):
+    """examples/saem_unseen.py end to end on one case and seed (the program is cached from the
+    tests above, so this costs one fit)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "saem_unseen.py"
+    spec = importlib.util.spec_from_file_location("saem_unseen", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "t.md"
+    assert mod.main(["--cases", "dyestuff", "--seeds", "0", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| dyestuff | 0 | yes |" in text and "1/1 fits within all targets" in text
