@@ -4,6 +4,7 @@ sampling of a NumPyro model's marginal likelihood, and writing tables/figures.""
 from __future__ import annotations
 
 import functools
+import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,10 @@ from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.util import compute_log_probs
 
 from numpyro_fed.kernels.base import DivergenceError
-from numpyro_fed.saem import annealed_importance_sampling
+from numpyro_fed.saem import SAEM, Schedule, annealed_importance_sampling
+
+#: Langevin steps per SAEM iteration in the MCMC-SAEM paper (Sec. 5)
+PAPER_MCMC_STEPS = 4
 
 
 def markdown_table(df: pd.DataFrame, floatfmt: str = "{:.4g}") -> str:
@@ -76,6 +80,22 @@ def bootstrap_mean_ci(x, level: float = 0.8, num: int = 2000, seed: int = 0):
     means = x[rng.integers(0, x.size, (num, x.size))].mean(1)
     lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
     return float(x.mean()), float(lo), float(hi)
+
+
+def paper_saem(model, kernel: str, step_size: float, num_iters: int, burnin_steps: int,
+               **kwargs) -> SAEM:
+    """:class:`SAEM` running the MCMC-SAEM paper's algorithm (Sec. 5), which is no longer the
+    library's default: ULA or MALA with the fixed step ``step_size`` (the step-size sweeps
+    need it; the default adapts it), :math:`\\gamma_k = 1/\\sqrt k` from the first
+    iteration without annealing (``Schedule.paper``), ``burnin_steps`` Langevin steps at
+    :math:`\\theta_0` (the paper counts single steps; SAEM's burn-in counts E-steps of
+    ``PAPER_MCMC_STEPS`` steps: rounded up), one chain, no independence proposals from the
+    prior, and the model's own coordinates (no centring). ``kwargs`` go to :class:`SAEM`
+    (``mh_blocks``, ``preconditioner``, ``mstep``, ...)."""
+    burnin = math.ceil(burnin_steps / PAPER_MCMC_STEPS)
+    return SAEM(model, kernel=kernel, step_size=step_size, num_mcmc_steps=PAPER_MCMC_STEPS,
+                num_chains=1, prior_proposals=0, centring=False,
+                schedule=Schedule.paper(num_iters, burnin), **kwargs)
 
 
 def fit_or_none(saem, key, *args, **kwargs):

@@ -30,13 +30,13 @@ from _saem_common import (  # noqa: E402
     bootstrap_mean_ci,
     fit_or_none,
     out_dir,
+    paper_saem,
     parser,
     write_outputs,
 )
 from jax import lax, random  # noqa: E402
 
 from models.glmm import ard_logistic, ard_preconditioner, load_caravan_ard  # noqa: E402
-from numpyro_fed.saem import SAEM, Schedule  # noqa: E402
 
 NAME = "saem_ard"
 
@@ -120,9 +120,10 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
         for kernel in a.kernels:
             for eta in a.steps:
                 t0 = time.perf_counter()
-                saem = SAEM(ard_logistic, kernel=kernel, step_size=eta, fisher=False,
-                            preconditioner=ard_preconditioner(), num_draws=1,
-                            schedule=Schedule.paper(a.iters, a.burnin))
+                # the paper's algorithm (fixed preconditioned step for the sweep, 1 chain,
+                # gamma_k = 1/sqrt(k)): the defaults adapt the step and run 50 chains
+                saem = paper_saem(ard_logistic, kernel, eta, a.iters, a.burnin, fisher=False,
+                                  preconditioner=ard_preconditioner(), num_draws=1)
                 res = fit_or_none(saem, key, Xtr, ytr)
                 t_fit = time.perf_counter() - t0
                 if res is None:

@@ -39,6 +39,7 @@ from _saem_common import (  # noqa: E402
     fit_or_none,
     make_ais,
     out_dir,
+    paper_saem,
     parser,
     write_outputs,
 )
@@ -142,9 +143,11 @@ def part_b(a, data) -> tuple[pd.DataFrame, pd.DataFrame]:
         for kernel in a.kernels:
             for eta in a.steps:
                 t0 = time.perf_counter()
-                saem = SAEM(theophylline_model, kernel=kernel, step_size=eta, fisher=False,
-                            mstep=theophylline_sufficient_statistics(), mh_blocks="joint",
-                            schedule=Schedule.paper(a.iters, a.burnin), num_draws=1)
+                # the paper's E-step and schedule (fixed step for the sweep, 1 chain, joint MH
+                # test, gamma_k = 1/sqrt(k), no prior proposals/centring): not the defaults
+                saem = paper_saem(theophylline_model, kernel, eta, a.iters, a.burnin,
+                                  fisher=False, mstep=theophylline_sufficient_statistics(),
+                                  mh_blocks="joint", num_draws=1)
                 res = fit_or_none(saem, key, *(train[k] for k in _ARGS), init_params=init)
                 t_fit = time.perf_counter() - t0
                 if res is None:

@@ -45,9 +45,10 @@ def test_saem_with_federated_langevin_e_step():
     # step * L = 1e-3 * ~260 = 0.26: stable, with an O(step) ULA bias on beta's posterior
     # variance of ~13% of 1/260, i.e. negligible against tau^2 ~ 0.4 in the M-step statistic
     kernel = FederatedLangevin(eb_model, clients, step_size=1e-3, prior="server")
+    # burn-in: 50 E-steps of 4 kernel steps = 200 steps at theta_0
     saem = SAEM(eb_model, kernel=kernel, num_chains=2,
                 schedule=Schedule(num_iters=400, num_exploration=100, decay=1.0,
-                                  num_burnin=200))
+                                  num_burnin=50))
     result = saem.run(random.PRNGKey(1), X=X, y=y)
     tau = float(result.params["tau"])
     # SA-averaged estimate over ~300 decreasing-step iterations of 2 chains x 12 coordinates:
