@@ -20,7 +20,8 @@ from models.pk import (
 )
 from numpyro_fed.kernels.base import DivergenceError
 from numpyro_fed.saem import SAEM, Schedule, SufficientStatistics
-from numpyro_fed.saem.model import log_joint_per_subject
+from numpyro_fed.saem.estep import LangevinEStep
+from numpyro_fed.saem.model import ModelInfo, joint_layout, log_joint_per_subject, subject_layout
 
 
 # ----------------------------------------------------------------------------- toy model
@@ -217,17 +218,24 @@ def test_theophylline_matches_exact_and_msteps_agree(theo):
 
 
 # ----------------------------------------------------------------------------- E-step blocks
-def _built_estep(saem, y, key):
-    """The E-step that ``saem`` builds for ``y``: a minimal run (1 iteration, 1 draw) builds
-    and caches its structure (``saem.structure``: model info, subject layout, E-step)."""
-    saem.run(key, y)
-    return saem.structure
+def _langevin_estep(model, y, key, *, joint=False, **kw):
+    """The built-in E-step that SAEM builds for ``model`` (``SAEM.structure.estep``; here
+    from its parts, without compiling a whole SAEM program): the model's
+    :class:`~numpyro_fed.saem.model.ModelInfo`, its subject layout (or one joint block, as
+    with ``mh_blocks='joint'``) and a :class:`~numpyro_fed.saem.estep.LangevinEStep`."""
+    args = (y,)
+    info = ModelInfo(model, args, {}, key)
+    if joint:
+        layout = joint_layout(info)
+    else:
+        layout, reason = subject_layout(info, None, args, {}, random.fold_in(key, 3))
+        assert layout is not None, reason
+    return info, layout, LangevinEStep(info, layout, **kw)
 
 
-def _estep_draws(st, y, key, num_draws, num_chains=4, steps_per_draw=1):
-    """Draws of the built-in E-step ``st.estep`` at the fixed initial theta (mu = 0,
-    tau = 1), started from the prior; returns ``(theta0, zs (draws, chains, d_z), acc)``."""
-    info, estep = st.info, st.estep
+def _estep_draws(info, estep, y, key, num_draws, num_chains=4, steps_per_draw=1):
+    """Draws of the E-step at the fixed initial theta (mu = 0, tau = 1), started from the
+    prior; returns ``(theta0, zs (draws, chains, d_z), acceptance per draw)``."""
     data = ((y,), {})
     theta0 = info.theta0_u_flat
     th_c = info.constrain_theta(theta0)
@@ -254,8 +262,7 @@ def test_estep_blocks_target_the_conditional(how, x64):
     Step 0.5 (fixed): the joint MALA test in 40 dimensions accepts rarely, the per-subject one
     often. 'subject-mala' has no prior proposals (the Langevin moves alone); 'prior-proposals'
     freezes the Langevin moves (step 1e-8) so the chain is driven by the independence
-    proposals alone. The E-steps are the ones SAEM builds (``saem.structure.estep``), run at
-    the fixed theta_0. Tolerance: 5 batch-means standard errors of each subject's mean and
+    proposals alone. Tolerance: 5 batch-means standard errors of each subject's mean and
     second moment (and the pooled 5-SE bound on the mean acceptance)."""
     n = 40
     y = _toy_data(n, seed=3).astype(np.float64)
@@ -263,20 +270,15 @@ def test_estep_blocks_target_the_conditional(how, x64):
     def model(y=None):
         hier(y, n=n)
 
-    tiny = dict(num_chains=4, num_draws=1, fisher=False,
-                schedule=Schedule(num_iters=1, num_exploration=0, num_burnin=0))
+    key = random.key(0)
     if how == "subject-mala":
-        saem = SAEM(model, kernel="mala", step_size=0.5, prior_proposals=0, **tiny)
-        joint = SAEM(model, kernel="mala", step_size=0.5, mh_blocks="joint", **tiny)
-        st_joint = _built_estep(joint, y, random.key(0))
-        assert not st_joint.has_subjects and st_joint.estep.n_prior == 0
-        acc_joint = _estep_draws(st_joint, y, random.key(0), 200)[2].mean()
+        info, layout, estep = _langevin_estep(model, y, key, step_size=0.5)
+        _, _, joint = _langevin_estep(model, y, key, joint=True, step_size=0.5)
+        acc_joint = _estep_draws(info, joint, y, key, 200)[2].mean()
     else:
-        saem = SAEM(model, kernel="mala", step_size=1e-8, prior_proposals=1, **tiny)
-    st = _built_estep(saem, y, random.key(0))
-    assert st.has_subjects and st.layout.n == n and st.layout.q == 1 and st.num_chains == 4
-    assert st.estep.n_prior == (0 if how == "subject-mala" else 1)
-    theta0, zs, acc = _estep_draws(st, y, random.key(0), 4000)
+        info, layout, estep = _langevin_estep(model, y, key, step_size=1e-8, prior_proposals=1)
+    assert layout.plate == "subject" and layout.n == n and layout.q == 1
+    theta0, zs, acc = _estep_draws(info, estep, y, key, 4000)
     zs = zs.transpose(1, 0, 2)[:, 400:]  # (chains, draws, subjects)
     m, se_m = batch_means_se(zs)
     m2, se_m2 = batch_means_se(zs**2)
@@ -286,7 +288,6 @@ def test_estep_blocks_target_the_conditional(how, x64):
         assert acc.mean() > 0.6 and acc_joint < 0.1, (acc.mean(), acc_joint)
         # per-subject log joint: sums (with the latent-free rest) to the model's log joint
         # (float64), and its observed-only part is log N(y_i; z_i, 1) subject by subject
-        info, layout = st.info, st.layout
         th_c = info.constrain_theta(theta0)
         zf = jnp.asarray(zs[0, -1])
         per, rest = log_joint_per_subject(info, layout, th_c, zf, (y,), {})
