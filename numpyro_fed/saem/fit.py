@@ -354,7 +354,8 @@ class SAEM:
         st.has_subjects = layout is not None
         n_sub = st.layout.n if st.has_subjects else 1
         st.num_chains = (self._num_chains if self._num_chains is not None
-                         else max(2, math.ceil(MIN_CHAIN_SUBJECTS / n_sub)))
+                         else (max(2, math.ceil(MIN_CHAIN_SUBJECTS / n_sub))
+                               if st.has_subjects else 2))
         if self._prior_proposals is not None:
             n_prior = self._prior_proposals
         else:
