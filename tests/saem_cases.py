@@ -672,7 +672,7 @@ _BUILDERS = {
 CASE_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_case(name: str) -> Case:
     """The case ``name`` (one of :data:`CASE_NAMES`); built once per process."""
     if name not in _BUILDERS:
@@ -690,7 +690,7 @@ def _case(case) -> Case:
 
 
 # ============================================================================ params
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _spec(name: str):
     case = get_case(name)
     with jax.enable_x64(True):
@@ -841,7 +841,7 @@ class _Fns:
         return self._quad(th, self.frame(th, num_nodes, force=True))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(name: str) -> _Fns:
     return _Fns(get_case(name))
 
@@ -978,7 +978,7 @@ def _perturbed(u0: np.ndarray, seed: int) -> np.ndarray:
     return u0 + rng.normal(size=u0.shape) * (0.3 + 0.2 * np.abs(u0))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _exact_mle(name: str) -> dict:
     case = get_case(name)
     fns = _jitted(name)
