@@ -416,11 +416,32 @@ class NumPyroEStep:
         return state
 
     def step_size_summary(self, state: Any = None) -> str:
-        s = getattr(self.kernel, "step_size", None)
-        if s is None:
-            s = getattr(self.kernel, "_step_size", None)
+        """The kernel's own step size: the one in its state when it keeps one (HMC/NUTS's
+        ``adapt_state.step_size``, set by its step-size search at ``init``; MALA's
+        ``step_size``), else the one it was built with."""
         name = type(self.kernel).__name__
-        return f"{name} step_size={float(s):.3g}" if s is not None else name
+        h = None
+        if state is not None:
+            ks = state[1]
+            h = getattr(getattr(ks, "adapt_state", None), "step_size", None)
+            if h is None:
+                h = getattr(ks, "step_size", None)
+        if h is None:
+            for attr in ("step_size", "_step_size"):
+                h = getattr(self.kernel, attr, None)
+                if h is not None and not callable(h):
+                    break
+                h = None
+        try:
+            h = np.asarray(h, dtype=float).reshape(-1)
+        except (TypeError, ValueError):
+            return name
+        if h.size == 0:
+            return name
+        lo, hi = float(np.min(h)), float(np.max(h))
+        if f"{lo:.3g}" == f"{hi:.3g}":
+            return f"{name} step_size={lo:.3g}"
+        return f"{name} step_size={lo:.3g}..{hi:.3g} over chains"
 
     def _kw(self, theta_u, data):
         args, kwargs = data

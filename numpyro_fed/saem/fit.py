@@ -335,9 +335,11 @@ class SAEM:
         return self._num_chains or 1
 
     # ------------------------------------------------------------------ structure
-    def _build_structure(self, rng_key, args, kwargs) -> _Structure:
+    def _build_structure(self, rng_key, args, kwargs, init_params=None) -> _Structure:
         st = _Structure()
         info = ModelInfo(self.model, args, kwargs, rng_key)
+        if init_params is not None:  # before anything is compiled
+            info.check_init_params(init_params)
         st.info = info
         builtin = isinstance(self.kernel, str)
         layout, reason = (None, "mh_blocks='joint'")
@@ -426,7 +428,7 @@ class SAEM:
         st.first_run = True
         return st
 
-    def _structure_for(self, rng_key, args, kwargs):
+    def _structure_for(self, rng_key, args, kwargs, init_params=None):
         arrays, static = split_data(args, kwargs)
         key = None
         if isinstance(self.kernel, str):
@@ -439,7 +441,7 @@ class SAEM:
             _CACHE.move_to_end(key)
             st = _CACHE[key]
         else:
-            st = self._build_structure(rng_key, args, kwargs)
+            st = self._build_structure(rng_key, args, kwargs, init_params)
             if key is not None:
                 _CACHE[key] = st
                 while len(_CACHE) > _CACHE_SIZE:
@@ -559,7 +561,7 @@ class SAEM:
                 f"{type(rng_key).__name__} {rng_key!r}."
             )
         args, kwargs = model_args, model_kwargs
-        st, arrays, static = self._structure_for(rng_key, args, kwargs)
+        st, arrays, static = self._structure_for(rng_key, args, kwargs, init_params)
         info = st.info
         if init_params is not None:
             tc = info.check_init_params(init_params)
@@ -618,19 +620,8 @@ class SAEM:
         accs = np.concatenate([np.asarray(a) for a in accs])
         state, zs, dacc = carry
         bad = int(state.bad_iter)
-        summary = st.estep.step_size_summary(state.estate)
-        if bad == -2:
-            raise DivergenceError(
-                f"SAEM: the E-step kernel diverged during burn-in at theta_0="
-                f"{_format_theta(info, theta0)} ({summary}); reduce the step size of the "
-                "E-step kernel, or give initial values closer to the data (`init_params`)."
-            )
-        if bad >= 0:
-            raise DivergenceError(
-                f"SAEM: the E-step became non-finite at iteration {bad} with "
-                f"theta={_format_theta(info, state.bad_theta)} ({summary}); reduce the step "
-                "size of the E-step kernel (or leave step_size=None for the adaptive E-step)."
-            )
+        if bad != -1:
+            raise self._divergence_error(st, state, theta0, bad, args, kwargs)
         res = SAEMResult(
             model=self.model, info=info, layout=st.layout if st.has_subjects else None,
             ids=ids, theta=np.asarray(state.theta),
@@ -660,6 +651,50 @@ class SAEM:
             ids.update({k: jnp.asarray(v) for k, v in new.items()})
         st.first_run = False
         return ids
+
+    def _divergence_error(self, st: _Structure, state: SAEMState, theta0, bad: int, args,
+                          kwargs) -> DivergenceError:
+        """The error for a non-finite E-step (host side, after the run): it quotes the
+        E-step kernel's own step size and, when the log-density of a site is already
+        non-finite at that theta for the latents the E-step started from, names the site."""
+        info = st.info
+        summary = st.estep.step_size_summary(state.estate)
+        if not st.builtin:
+            name = type(st.estep.kernel).__name__
+            fix = (f"reduce the step size of the E-step kernel {name} (the `kernel` you "
+                   "passed; SAEM's own `step_size` does not apply to it)")
+        elif self.step_size is not None:
+            fix = ("reduce `step_size`, or leave step_size=None for the adaptive E-step "
+                   "(SAEM's default)")
+        else:
+            fix = ("the adaptive E-step rejects non-finite proposals, so the model's "
+                   "log-density itself became non-finite: check the model at these values")
+        if bad == -2:
+            return DivergenceError(
+                f"SAEM: the E-step kernel diverged during burn-in at theta_0="
+                f"{_format_theta(info, theta0)} (E-step: {summary}); {fix}; or give initial "
+                "values closer to the data (`init_params`)."
+            )
+        theta = _format_theta(info, state.bad_theta)
+        sites = info.nonfinite_sites(info.constrain_theta(jnp.asarray(state.bad_theta)),
+                                     st.latents(state.estate), args, kwargs)
+        if sites:
+            names = ", ".join(f"'{n}'" for n in sites)
+            return DivergenceError(
+                f"SAEM: the E-step became non-finite at iteration {bad} with theta={theta} "
+                f"(E-step: {summary}): at this theta the log-density of "
+                f"site{'s' if len(sites) > 1 else ''} {names} is not "
+                "finite for the current latents, so the M-step moved a param where the model "
+                "is not defined. Declare each param's constraint (e.g. "
+                "`constraint=constraints.positive` for a scale or a variance) or give "
+                "`init_params` closer to the data"
+                + ("." if st.builtin and self.step_size is None else
+                   f"; if theta ran off because the E-step diverged first, {fix}.")
+            )
+        return DivergenceError(
+            f"SAEM: the E-step became non-finite at iteration {bad} with theta={theta} "
+            f"(E-step: {summary}); {fix}."
+        )
 
     def _describe(self, st: _Structure) -> dict:
         return {

@@ -22,6 +22,7 @@ import numpy as np
 from jax import random
 from jax.flatten_util import ravel_pytree
 from numpyro.distributions import constraints
+from numpyro.distributions.distribution import validation_enabled
 from numpyro.distributions.transforms import IndependentTransform, biject_to
 from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.util import compute_log_probs
@@ -87,7 +88,7 @@ class ModelInfo:
     """
 
     def __init__(self, model, args, kwargs, key):
-        tr = trace(seed(model, key)).get_trace(*args, **kwargs)
+        tr = _trace_model(model, args, kwargs, key)
         self.model = model
         params = {n: s for n, s in tr.items() if s["type"] == "param"}
         latents = {
@@ -109,10 +110,12 @@ class ModelInfo:
             if s["fn"].support.is_discrete:
                 raise ValueError(
                     f"SAEM: latent site '{n}' has a discrete distribution "
-                    f"({type(s['fn']).__name__}). The SAEM E-steps are Langevin/gradient "
-                    "kernels and need continuous latent variables: sum the discrete variable "
-                    "out of the model by hand (e.g. a mixture likelihood with "
-                    "dist.MixtureSameFamily), or observe it."
+                    f"({_dist_name(s['fn'])}). The SAEM E-steps are Langevin/gradient "
+                    "kernels: they need continuous latent variables and do not enumerate "
+                    "discrete ones (`infer={'enumerate': ...}` is not supported). Marginalise "
+                    f"'{n}' out of the model by hand (sum the likelihood over its values, e.g. "
+                    "a mixture likelihood with dist.MixtureSameFamily / dist.MixtureGeneral), "
+                    "or make it observed (`obs=`)."
                 )
         for n, s in observed.items():
             _check_observed(n, s)
@@ -227,12 +230,27 @@ class ModelInfo:
         tr = trace(seed(substitute(self.model, data=theta_c), key)).get_trace(*args, **kwargs)
         return self.unconstrain_z({n: tr[n]["value"] for n in self.latent_names})
 
+    def nonfinite_sites(self, theta_c, z_u, args, kwargs) -> list[str]:
+        """Names of the sites whose log-density is not finite at ``theta_c`` for some row of
+        ``z_u`` (``(chains, dim_z)``, flat unconstrained); for error messages (host side)."""
+        def per_site(zf):
+            zc, _ = self.constrain_z(zf)
+            lps, _ = compute_log_probs(self.model, args, kwargs, {**theta_c, **zc})
+            return {n: jnp.isfinite(v) for n, v in lps.items()}
+
+        # invalid parameters are what is looked for here: no validation error on the way
+        with validation_enabled(False):
+            ok = jax.vmap(per_site)(jnp.atleast_2d(jnp.asarray(z_u)))
+        return [n for n in self.observed_names + self.latent_names
+                if n in ok and not bool(np.all(np.asarray(ok[n])))]
+
     def check_finite_at(self, theta_c, z_u_flat, args, kwargs) -> None:
         """Raise a ``ValueError`` naming the site whose log-density is not finite at the
         initial point (NaN or infinite data, a value outside the support)."""
         zc, _ = self.constrain_z(z_u_flat)
-        lps, tr = compute_log_probs(self.model, args, kwargs, {**theta_c, **zc},
-                                    sum_log_prob=False)
+        with validation_enabled(False):  # the message below says more than NumPyro's
+            lps, tr = compute_log_probs(self.model, args, kwargs, {**theta_c, **zc},
+                                        sum_log_prob=False)
         for n in self.observed_names + self.latent_names:
             lp = np.asarray(lps[n])
             if not np.all(np.isfinite(lp)):
@@ -248,6 +266,102 @@ class ModelInfo:
                 )
 
 
+def _dist_name(fn) -> str:
+    """Name of a distribution, through the wrappers that ``plate``/``expand``/``to_event``/
+    ``mask`` add (``ExpandedDistribution(Bernoulli)`` -> ``Bernoulli``)."""
+    while hasattr(fn, "base_dist"):
+        fn = fn.base_dist
+    return type(fn).__name__
+
+
+def _trace_model(model, args, kwargs, key):
+    """Trace of the model on its data; a site that does not fit its plate (NumPyro's bare
+    ``Incompatible shapes for broadcasting``) becomes an error naming the site, the plate
+    and the sizes."""
+    try:
+        return trace(seed(model, key)).get_trace(*args, **kwargs)
+    except ValueError as err:
+        msg = _plate_mismatch_message(err) or _invalid_param_message(model, args, kwargs, key,
+                                                                     err)
+        if msg is None:
+            raise
+        raise ValueError(msg) from err
+
+
+def _invalid_param_message(model, args, kwargs, key, err: BaseException) -> str | None:
+    """For NumPyro's bare ``<Dist> distribution got invalid <arg> parameter`` (argument
+    validation, e.g. a NaN covariate in a mean): the site and the elements, found by tracing
+    the model again without validation; ``None`` if that does not find them."""
+    if "distribution got invalid" not in str(err):
+        return None
+    try:
+        with validation_enabled(False):
+            tr = trace(seed(model, key)).get_trace(*args, **kwargs)
+    except Exception:  # noqa: BLE001 -- the original error is re-raised
+        return None
+    for n, site in tr.items():
+        if site["type"] != "sample":
+            continue
+        d = site["fn"]
+        while d is not None:
+            for arg, c in getattr(d, "arg_constraints", {}).items():
+                if constraints.is_dependent(c) or arg not in d.__dict__:
+                    continue
+                v = getattr(d, arg)
+                try:
+                    bad = ~np.asarray(c(v), bool)
+                except Exception:  # noqa: BLE001 -- a constraint that cannot be checked here
+                    continue
+                if not np.any(bad):
+                    continue
+                idx = np.argwhere(np.atleast_1d(bad))
+                where = ", ".join(str(tuple(int(i) for i in b)) for b in idx[:5])
+                what = ("NaN or inf" if not np.all(np.isfinite(np.asarray(v, float)))
+                        else f"outside {c}")
+                kind = "observed site" if site["is_observed"] else "site"
+                return (
+                    f"SAEM: the distribution of {kind} '{n}' ({_dist_name(d)}) has an invalid "
+                    f"`{arg}` parameter ({what}, at index {where}"
+                    f"{' ...' if len(idx) > 5 else ''}) when the model runs on these data at "
+                    f"the initial params. Check the data that enter '{n}' (covariates, "
+                    "indices) for NaN or inf: drop (or impute) those rows, or mask them with "
+                    "`numpyro.handlers.mask`; and check the initial values of the params."
+                )
+            d = getattr(d, "base_dist", None)
+    return None
+
+
+def _plate_mismatch_message(err: BaseException) -> str | None:
+    """The site and plate of a failed ``plate.process_message`` (read from the traceback of
+    the error, the only place NumPyro leaves them), as a message; ``None`` if the error did
+    not come from a plate."""
+    from numpyro.primitives import plate as plate_cls
+
+    found = None
+    tb = err.__traceback__
+    while tb is not None:
+        loc = tb.tb_frame.f_locals
+        if isinstance(loc.get("self"), plate_cls) and isinstance(loc.get("msg"), dict):
+            found = loc
+        tb = tb.tb_next
+    if found is None:
+        return None
+    pl, msg = found["self"], found["msg"]
+    name = msg.get("name")
+    bshape = tuple(found.get("dist_batch_shape", getattr(msg.get("fn"), "batch_shape", ())))
+    data = ""
+    if msg.get("is_observed"):
+        data = f", its observed data shape {tuple(jnp.shape(msg['value']))}"
+    return (
+        f"SAEM: sample site '{name}' does not fit plate '{pl.name}' (size {pl.size}, dim "
+        f"{pl.dim}): its distribution has batch shape {bshape}{data}. A plate needs one "
+        f"element per row of the data it holds: make the size of plate '{pl.name}' the "
+        f"length of the data of '{name}' (e.g. `numpyro.plate('{pl.name}', len(y))`), and "
+        f"check the arrays that index or broadcast into '{name}' (an integer subject "
+        "index, covariates) have that length too."
+    )
+
+
 def _check_observed(name, site) -> None:
     value = site["value"]
     fn = site["fn"]
@@ -255,9 +369,19 @@ def _check_observed(name, site) -> None:
     vshape = tuple(jnp.shape(value))
     if vshape != shape:
         plates = ", ".join(f"'{f.name}' (size {f.size})" for f in site["cond_indep_stack"])
+        # the plates whose size differs from the data along their dim
+        off = [
+            f"plate '{f.name}' has size {f.size} but the data have {vshape[ax]} along dim "
+            f"{f.dim}"
+            for f in site["cond_indep_stack"]
+            if f.dim is not None
+            and 0 <= (ax := len(vshape) - fn.event_dim + f.dim) < len(vshape)
+            and len(vshape) == len(shape) and vshape[ax] != f.size
+        ]
         raise ValueError(
             f"SAEM: observed site '{name}' has data of shape {vshape} but its distribution has "
-            f"shape {shape}" + (f" (plates {plates})" if plates else "") + ". Give one "
+            f"shape {shape}" + (f" (plates {plates})" if plates else "")
+            + (f": {'; '.join(off)}" if off else "") + ". Give one "
             "observation per element of the site: match the plate sizes to the length of the "
             "data (a broadcast observation would be counted more than once)."
         )
@@ -272,9 +396,9 @@ def _check_observed(name, site) -> None:
             where = ", ".join(str(tuple(int(i) for i in b)) for b in idx[:5])
             raise ValueError(
                 f"SAEM: observed site '{name}' has {int(bad.sum())} non-finite value(s) "
-                f"(NaN or inf) at index {where}{' ...' if len(idx) > 5 else ''}. Remove those "
-                "rows, or mask them with `numpyro.handlers.mask` / `dist.mask(...)` and put a "
-                "finite placeholder in the data."
+                f"(NaN or inf) at index {where}{' ...' if len(idx) > 5 else ''}. Drop (or "
+                "impute) those rows, or mask them with `numpyro.handlers.mask` / "
+                "`dist.mask(...)` and put a finite placeholder in the data."
             )
 
 
