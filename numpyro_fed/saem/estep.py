@@ -38,7 +38,9 @@ from numpyro_fed.saem.model import (
     ModelInfo,
     SubjectLayout,
     block_hessian,
+    from_blocks,
     log_joint_per_subject,
+    to_blocks,
 )
 
 __all__ = ["LangevinEStep", "LangevinEStepState", "NumPyroEStep", "flat_preconditioner"]
@@ -115,16 +117,13 @@ class LangevinEStep:
         self.gain = float(adapt_gain)
         self.full = self.adaptive and layout.q <= FULL_PRECONDITIONER_MAX
         self.zidx = np.asarray(layout.zidx)
-        inv = np.empty(info.dim_z, np.int64)
-        inv[self.zidx.reshape(-1)] = np.arange(info.dim_z)
-        self.inv = inv
 
     # -- helpers ---------------------------------------------------------------------------
-    def to_blocks(self, z):  # (C, d_z) -> (C, n, q)
-        return z[:, self.zidx]
+    def to_blocks(self, z):  # (..., d_z) -> (..., n, q)
+        return to_blocks(z, self.zidx)
 
-    def from_blocks(self, zb):  # (C, n, q) -> (C, d_z)
-        return zb.reshape(zb.shape[0], -1)[:, self.inv]
+    def from_blocks(self, zb):  # (..., n, q) -> (..., d_z)
+        return from_blocks(zb, self.zidx)
 
     def _U(self, theta_c, data, ids):
         info, layout = self.info, self.layout
@@ -198,7 +197,7 @@ class LangevinEStep:
             return vv * jax.jvp(gradU, (zf,), (vv,))[1]
 
         d = jnp.mean(jax.vmap(lambda vv: jax.vmap(hd)(pts, vv))(v), (0, 1))  # (d_z,)
-        d = jnp.abs(d)[self.zidx]
+        d = self.to_blocks(jnp.abs(d))
         d = jnp.maximum(d, 1e-6 * jnp.max(d) + 1e-30)
         return jnp.where(jnp.isfinite(d), 1.0 / d, 1.0).astype(dt)
 
@@ -213,10 +212,9 @@ class LangevinEStep:
         if not self.full:
             m = self._inv_curvature(key, gradU, z)
             return jnp.mean(z, 0), 0.7 * state.cov + 0.3 * m
-        zidx = jnp.asarray(self.zidx)
         U_sub = gradU.per_subject
         mode = state.mean
-        g = gradU(mode)[zidx]
+        g = self.to_blocks(gradU(mode))
         H = block_hessian(gradU, mode, self.layout)
         lam, V = jnp.linalg.eigh(H)
         lam = jnp.abs(lam)
@@ -227,11 +225,11 @@ class LangevinEStep:
 
         def try_scale(carry, sc):
             best, best_u = carry
-            cand = mode.at[zidx].add(sc * step)
+            cand = mode + self.from_blocks(sc * step)
             uc = U_sub(cand)
             better = jnp.isfinite(uc) & (uc < best_u)
-            b = jnp.where(better[:, None], cand[zidx], best[zidx])
-            return (best.at[zidx].set(b), jnp.where(better, uc, best_u)), None
+            b = jnp.where(better[:, None], self.to_blocks(cand), self.to_blocks(best))
+            return (self.from_blocks(b), jnp.where(better, uc, best_u)), None
 
         (mode_new, _), _ = lax.scan(try_scale, (mode, u0), jnp.asarray([1.0, 0.5, 0.25, 0.1],
                                                                          dt))
@@ -264,7 +262,7 @@ class LangevinEStep:
         else:
             log_h = state.log_step
             p = jnp.ones(info.dim_z, dt) if self.P is None else self.P(theta_u).astype(dt)
-            L = jnp.sqrt(p)[self.zidx]
+            L = self.to_blocks(jnp.sqrt(p))
         u, g = vg(z)
         gb = self.to_blocks(g)
         full = self.full
@@ -307,24 +305,31 @@ class LangevinEStep:
         # so the draws of the exploration phase stay close to the target
         cnt = state.count
 
-        def adapted(_):
+        def step_sizes():
             lh = state.log_step + self.gain * (acc - self.target)
             lh = jnp.clip(lh, -30.0, 5.0)
             avg_rate = jnp.where(cnt < 20, 1.0 / (cnt + 1.0), 0.05).astype(dt)
-            log_avg = state.log_step_avg + avg_rate * (lh - state.log_step_avg)
-            mode, cov = self._track(random.fold_in(key, 7), state, z, theta_c, data, ids)
-            return LangevinEStepState(z, lh, log_avg, mode, cov, self._chol(cov), cnt + 1.0)
+            return lh, state.log_step_avg + avg_rate * (lh - state.log_step_avg)
 
         if self.full:
             # the metric keeps following theta after the adaptation (the step size is frozen):
             # it is a function of theta and of the tracked modes only, and a variance that
-            # shrinks in the averaging phase would otherwise leave a metric too wide
-            def tracked(_):
-                mode, cov = self._track(random.fold_in(key, 7), state, z, theta_c, data, ids)
-                return state._replace(z=z, mean=mode, cov=cov, chol=self._chol(cov))
+            # shrinks in the averaging phase would otherwise leave a metric too wide. It is
+            # computed once, outside the branch (one copy in the compiled program).
+            mode, cov = self._track(random.fold_in(key, 7), state, z, theta_c, data, ids)
+            tracked = state._replace(z=z, mean=mode, cov=cov, chol=self._chol(cov))
 
-            frozen = tracked
+            def adapted(_):
+                lh, log_avg = step_sizes()
+                return tracked._replace(log_step=lh, log_step_avg=log_avg, count=cnt + 1.0)
+
+            frozen = lambda _: tracked  # noqa: E731
         else:
+            def adapted(_):
+                lh, log_avg = step_sizes()
+                mode, cov = self._track(random.fold_in(key, 7), state, z, theta_c, data, ids)
+                return LangevinEStepState(z, lh, log_avg, mode, cov, self._chol(cov), cnt + 1.0)
+
             frozen = lambda _: state._replace(z=z)  # noqa: E731
         out = lax.cond(adapt & finite, adapted, frozen, None)
         return out, acc, finite
@@ -336,7 +341,6 @@ class LangevinEStep:
         info = self.info
         args, kwargs = data
         loglik = self._loglik(theta_c, data, ids)
-        zidx = self.zidx
 
         def body(i, zz):
             kd, ku = random.split(random.fold_in(key, i))
@@ -345,7 +349,7 @@ class LangevinEStep:
             lr = loglik(y) - loglik(zz)  # (C, n)
             lr = jnp.where(jnp.isnan(lr), -jnp.inf, lr)
             ok = jnp.log(random.uniform(ku, lr.shape, zz.dtype)) < lr
-            yb, zb = y[:, zidx], zz[:, zidx]
+            yb, zb = self.to_blocks(y), self.to_blocks(zz)
             return self.from_blocks(jnp.where(ok[..., None], yb, zb))
 
         return lax.fori_loop(0, self.n_prior, body, z)

@@ -32,8 +32,10 @@ from numpyro_fed.saem.model import (
     ModelInfo,
     SubjectLayout,
     block_hessian,
+    from_blocks,
     joint_layout,
     log_joint_per_subject,
+    to_blocks,
 )
 
 __all__ = ["importance_sampling", "gauss_hermite", "laplace", "conditional_modes",
@@ -51,10 +53,8 @@ def _per_subject_fn(info: ModelInfo, layout: SubjectLayout, ids, theta_c, args, 
     return f
 
 
-def _blocks_to_flat(layout, zb):  # (n, q) -> (d_z,)
-    inv = np.empty(layout.zidx.size, np.int64)
-    inv[layout.zidx.reshape(-1)] = np.arange(layout.zidx.size)
-    return zb.reshape(-1)[inv]
+def _blocks_to_flat(layout, zb):  # (..., n, q) -> (..., d_z)
+    return from_blocks(zb, layout.zidx)
 
 
 def _student_t(key, df: float, shape, dtype):
@@ -85,7 +85,7 @@ def conditional_moments(layout: SubjectLayout, zs):
     """Per-subject conditional mean ``(n, q)`` and covariance ``(n, q, q)`` of the draws
     ``zs`` ``(T, C, d_z)`` (unconstrained)."""
     flat = jnp.asarray(zs).reshape(-1, zs.shape[-1])
-    b = flat[:, layout.zidx]  # (S, n, q)
+    b = to_blocks(flat, layout.zidx)  # (S, n, q)
     mu = jnp.mean(b, 0)
     dev = b - mu
     cov = jnp.einsum("sni,snj->nij", dev, dev) / max(b.shape[0] - 1, 1)
@@ -139,12 +139,11 @@ def conditional_modes(info: ModelInfo, layout: SubjectLayout | None, ids, theta_
     f = _per_subject_fn(info, lay, ids, theta_c, args, kwargs)
     U = lambda z: -jnp.sum(f(z)[0])
     grad = jax.grad(U)
-    zidx = jnp.asarray(lay.zidx)
     q = lay.q
     eye = jnp.eye(q, dtype=z_init.dtype)
 
     def newton(z, _):
-        g = grad(z)[zidx]  # (n, q)
+        g = to_blocks(grad(z), lay.zidx)  # (n, q)
         H = block_hessian(grad, z, lay)
         lam, V = jnp.linalg.eigh(H)
         lam = jnp.maximum(jnp.abs(lam), 1e-8 * jnp.max(jnp.abs(lam), -1, keepdims=True)
@@ -154,12 +153,12 @@ def conditional_modes(info: ModelInfo, layout: SubjectLayout | None, ids, theta_
 
         def try_scale(carry, s):
             best_z, best_u = carry
-            cand = z.at[zidx].add(s * step)
+            cand = z + from_blocks(s * step, lay.zidx)
             uc = -f(cand)[0]
             better = jnp.isfinite(uc) & (uc < best_u)
-            cand_b = cand[zidx]
-            best_b = jnp.where(better[:, None], cand_b, best_z[zidx])
-            return (best_z.at[zidx].set(best_b), jnp.where(better, uc, best_u)), None
+            best_b = jnp.where(better[:, None], to_blocks(cand, lay.zidx),
+                               to_blocks(best_z, lay.zidx))
+            return (from_blocks(best_b, lay.zidx), jnp.where(better, uc, best_u)), None
 
         (z_new, _), _ = lax.scan(try_scale, (z, u0), jnp.asarray([1.0, 0.5, 0.25, 0.1],
                                                                    z.dtype))
@@ -208,7 +207,7 @@ def gauss_hermite(info, layout, ids, theta_c, z_init, args, kwargs, num_nodes: i
     L = jnp.linalg.cholesky((Hinv + jnp.swapaxes(Hinv, -1, -2)) / 2.0)
     logdet_L = jnp.sum(jnp.log(jnp.diagonal(L, axis1=-2, axis2=-1)), -1)
     f = _per_subject_fn(info, lay, ids, theta_c, args, kwargs)
-    zb = z[jnp.asarray(lay.zidx)]
+    zb = to_blocks(z, lay.zidx)
     Xj = jnp.asarray(X, dt)
 
     def at_node(xk):

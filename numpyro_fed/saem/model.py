@@ -629,18 +629,60 @@ def log_joint_per_subject(info: ModelInfo, layout: SubjectLayout, theta_c, z_u_f
     return out[:n], out[n]
 
 
+def _block_kind(zidx) -> str:
+    """How the ``(n, q)`` index ``zidx`` (a permutation of the flat latent coordinates) maps
+    ``z`` to subject blocks: ``"rows"`` (subject-major, a reshape), ``"cols"``
+    (coordinate-major: a reshape and a transpose) or ``"gather"``."""
+    zidx = np.asarray(zidx)
+    n, q = zidx.shape
+    a = np.arange(n * q)
+    if np.array_equal(zidx, a.reshape(n, q)):
+        return "rows"
+    if np.array_equal(zidx, a.reshape(q, n).T):
+        return "cols"
+    return "gather"
+
+
+def to_blocks(x, zidx):
+    """``(..., d_z) -> (..., n, q)``: the subject blocks of flat latent vectors (a reshape
+    where the layout allows it: no gather in the compiled program)."""
+    zidx = np.asarray(zidx)
+    n, q = zidx.shape
+    kind = _block_kind(zidx)
+    if kind == "rows":
+        return x.reshape(x.shape[:-1] + (n, q))
+    if kind == "cols":
+        return jnp.swapaxes(x.reshape(x.shape[:-1] + (q, n)), -1, -2)
+    return x[..., zidx]
+
+
+def from_blocks(xb, zidx):
+    """Inverse of :func:`to_blocks`: ``(..., n, q) -> (..., d_z)``."""
+    zidx = np.asarray(zidx)
+    n, q = zidx.shape
+    kind = _block_kind(zidx)
+    lead = xb.shape[:-2]
+    if kind == "rows":
+        return xb.reshape(lead + (n * q,))
+    if kind == "cols":
+        return jnp.swapaxes(xb, -1, -2).reshape(lead + (n * q,))
+    inv = np.empty(n * q, np.int64)
+    inv[zidx.reshape(-1)] = np.arange(n * q)
+    return xb.reshape(lead + (n * q,))[..., inv]
+
+
 def block_hessian(grad_fn, z, lay):
     """Per-subject Hessian blocks ``(n, q, q)`` of a function whose Hessian is block
     diagonal over subjects: ``q`` Hessian-vector products, one per coordinate of every
     subject at once."""
-    zidx = jnp.asarray(lay.zidx)
+    n, q = np.shape(lay.zidx)
 
-    def col(k):
-        e = jnp.zeros_like(z).at[zidx[:, k]].set(1.0)
+    def col(e_k):
+        e = from_blocks(jnp.broadcast_to(e_k, (n, q)), lay.zidx)
         hv = jax.jvp(grad_fn, (z,), (e,))[1]
-        return hv[zidx]  # (n, q): column k of each block
+        return to_blocks(hv, lay.zidx)  # (n, q): column k of each block
 
-    cols = jax.vmap(col)(jnp.arange(lay.q))  # (q, n, q)
+    cols = jax.vmap(col)(jnp.eye(q, dtype=z.dtype))  # (q, n, q)
     H = jnp.transpose(cols, (1, 2, 0))
     return (H + jnp.swapaxes(H, -1, -2)) / 2.0
 
@@ -672,8 +714,7 @@ def centring_design(info: ModelInfo, layout: SubjectLayout, theta_u, z_u_flat, a
     dt = z_u_flat.dtype
     if layout.plate is None:
         return jnp.zeros((dz, d), dt)
-    n, q = layout.n, layout.q
-    zidx = jnp.asarray(layout.zidx)
+    q = layout.q
     P = q + num_extra
     k1, k2 = random.split(key)
     thetas = theta_u + 0.2 * jnp.maximum(1.0, jnp.abs(theta_u)) * random.normal(
@@ -686,7 +727,7 @@ def centring_design(info: ModelInfo, layout: SubjectLayout, theta_u, z_u_flat, a
 
     def grads(t, z):
         gt = jax.jacfwd(obs_ll)(t, z)  # (n, d)
-        gz = jax.grad(lambda zz: jnp.sum(obs_ll(t, zz)))(z)[zidx]  # (n, q)
+        gz = to_blocks(jax.grad(lambda zz: jnp.sum(obs_ll(t, zz)))(z), layout.zidx)
         return gt, gz
 
     gt, gz = jax.vmap(grads)(thetas, zs)  # (P, n, d), (P, n, q)
@@ -701,4 +742,4 @@ def centring_design(info: ModelInfo, layout: SubjectLayout, theta_u, z_u_flat, a
     ok = ok & jnp.any(jnp.abs(R) > 0, axis=1)  # (n, d)
     m = jnp.where(ok[:, None, :], m, 0.0)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    return jnp.zeros((dz, d), dt).at[zidx.reshape(-1)].set(m.reshape(n * q, d))
+    return from_blocks(jnp.moveaxis(m, -1, 0), layout.zidx).T  # (d_z, d)
