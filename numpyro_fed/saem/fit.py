@@ -37,8 +37,10 @@ from numpyro_fed.kernels.base import DivergenceError
 from numpyro_fed.saem.estep import LangevinEStep, NumPyroEStep, flat_preconditioner
 from numpyro_fed.saem.model import (
     ModelInfo,
+    centred_score_hess,
     centring_design,
     data_signature,
+    jit_once,
     joint_layout,
     merge_data,
     split_data,
@@ -66,9 +68,6 @@ class SAEMState(NamedTuple):
     - **theta** -- flat unconstrained :math:`\\theta_k`.
     - **estate** -- state of the E-step (its ``z`` holds the latents of every chain).
     - **mstate** -- state of the M-step (SA statistics, Newton's averages).
-    - **louis** -- SA averages ``(score, score score^T + Hessian)`` for the Louis information,
-      and the running average of the observed information :math:`-\\bar H - V` (see
-      :func:`fit_saem`).
     - **rng_key** -- random key.
     - **bad_iter** -- first iteration with a non-finite E-step (-1: none; -2: burn-in).
     - **bad_theta** -- :math:`\\theta` (unconstrained) at that iteration.
@@ -78,7 +77,6 @@ class SAEMState(NamedTuple):
     theta: jax.Array
     estate: Any
     mstate: Any
-    louis: Any
     rng_key: jax.Array
     bad_iter: jax.Array
     bad_theta: jax.Array
@@ -88,7 +86,7 @@ class SAEMState(NamedTuple):
 _BURN, _ITER, _DRAW, _PAD = 0, 1, 2, 3
 
 
-def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None, use_fisher: bool):
+def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None):
     """The pure SAEM program: ``step(carry, x, data, aux, ids)`` for :func:`jax.lax.scan`.
 
     ``x = (phase, gamma, num_steps, adapt, anneal, draw_index)``;
@@ -99,7 +97,9 @@ def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None, use_f
 
     ``score_hess(theta, z, data, M) -> (g (C, d), H (C, d, d))``: per chain the
     complete-data score and Hessian (centred: along :math:`z - M(\\theta' - \\theta)`),
-    for the Newton M-step and the Louis information.
+    for the Newton M-step (``None`` when the M-step needs none). The Louis information is
+    computed after the fit, from the draws at the final :math:`\\theta`
+    (:meth:`~numpyro_fed.saem.SAEMResult.fisher_information`).
     """
 
     def step(carry, x, data, aux, ids):
@@ -123,16 +123,9 @@ def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None, use_f
             mean_sh = None if sh is None else (jnp.mean(sh[0], 0), jnp.mean(sh[1], 0))
             theta_new, mst = mstep.update(state.mstate, g, theta, z, data, aux, anneal,
                                           mean_sh)
-            if use_fisher:
-                gs, Hs = sh
-                D_new = jnp.mean(Hs + gs[:, :, None] * gs[:, None, :], 0)
-                louis = (state.louis[0] + g * (mean_sh[0] - state.louis[0]),
-                         state.louis[1] + g * (D_new - state.louis[1]))
-            else:
-                louis = state.louis
             ok = finite & jnp.all(jnp.isfinite(theta_new))
             already = state.bad_iter != -1
-            new = SAEMState(state.k + 1, theta_new, es, mst, louis, key, state.bad_iter,
+            new = SAEMState(state.k + 1, theta_new, es, mst, key, state.bad_iter,
                             state.bad_theta)
             keep = already | ~ok
             out = jax.tree.map(lambda a, b: jnp.where(keep, a, b), state, new)
@@ -199,7 +192,8 @@ class SAEM:
         ``"newton"``, or a :class:`SufficientStatistics`.
     :param preconditioner: ``P(theta) -> dict`` of fixed diagonal preconditioners per latent
         site (with a fixed ``step_size``; MCMC-SAEM paper, Sec. 5.4).
-    :param fisher: accumulate the SA Louis information for standard errors; default: when
+    :param fisher: offer standard errors (the Louis information from the draws at the final
+        :math:`\\theta`, see :meth:`SAEMResult.fisher_information`); default: when
         :math:`\\dim\\theta \\le 50`.
     :param annealed: names of ``param`` sites annealed by the Newton/user M-steps (default:
         the positive ones; the Gaussian M-step anneals its variances).
@@ -408,22 +402,13 @@ class SAEM:
             st.latents = lambda es: es[0]
         st.estep = estep
         st.builtin = builtin
-        need_sh = st.use_fisher or getattr(mstep, "needs_score", False)
+        need_sh = bool(getattr(mstep, "needs_score", False))
         st.need_sh = need_sh
 
         def score_hess(theta_u, z, data, M):
-            a, kw = data
+            return centred_score_hess(info, theta_u, z, data[0], data[1], M)
 
-            # derivatives along z(t) = z - M (t - theta): the centred complete-data
-            # log-likelihood (see centring_design)
-            def one(zf):
-                f = lambda t: info.log_joint(t, zf - M @ (t - theta_u), a, kw)  # noqa: E731
-                return jax.grad(f)(theta_u), jax.hessian(f)(theta_u)
-
-            return jax.vmap(one)(z)
-
-        st.step = fit_saem(estep, mstep, st.latents, score_hess if need_sh else None,
-                           st.use_fisher)
+        st.step = fit_saem(estep, mstep, st.latents, score_hess if need_sh else None)
         st.programs = {}
         st.first_run = True
         return st
@@ -486,13 +471,11 @@ class SAEM:
             es = estep.init(k_e, z0, theta0, data, None) if st.builtin else None
             mshape = jax.eval_shape(lambda t, z: mstep.init(t, z, data, aux[0]), theta0, z0)
             mst = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mshape)
-            d, dt = info.dim_theta, theta0.dtype
-            louis = (jnp.zeros(d, dt), jnp.zeros((d, d), dt)) if st.use_fisher else ()
-            state = SAEMState(jnp.zeros((), jnp.int32), theta0, es, mst, louis, k_run,
+            state = SAEMState(jnp.zeros((), jnp.int32), theta0, es, mst, k_run,
                               jnp.full((), -1, jnp.int32), theta0)
             return state, z0, aux, per_site
 
-        prog = jax.jit(init) if st.builtin else init
+        prog = jit_once(init) if st.builtin else init
         st.programs["init"] = prog
         return prog
 
@@ -627,7 +610,7 @@ class SAEM:
             ids=ids, theta=np.asarray(state.theta),
             thetas_u=thetas[B1:B1 + K], gammas=self.gammas, accs=accs[B1:B1 + K],
             zs=np.asarray(zs), accept_final=float(dacc) / max(T, 1),
-            louis=None if not st.use_fisher else tuple(np.asarray(v) for v in state.louis),
+            centring=np.asarray(aux[1]) if st.use_fisher else None,
             mstep=st.mstep.kind, args=args, kwargs=kwargs,
             num_exploration=self.schedule.num_exploration, settings=self._describe(st),
             programs=st.programs.setdefault("result", {}),

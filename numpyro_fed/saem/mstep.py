@@ -40,7 +40,7 @@ from jax.flatten_util import ravel_pytree
 from numpyro.distributions import constraints
 from numpyro.infer.util import compute_log_probs
 
-from numpyro_fed.saem.model import ModelInfo
+from numpyro_fed.saem.model import ModelInfo, jit_once
 
 __all__ = ["SufficientStatistics", "GaussianMStep", "NewtonMStep", "UserMStep",
            "detect_gaussian"]
@@ -204,7 +204,7 @@ def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | 
         return vals, jacs, dep
 
     P, Z = jnp.stack(probes_c), jnp.stack(zs)
-    vals, jacs, dep = jax.tree.map(np.asarray, jax.jit(probe)(P, Z))
+    vals, jacs, dep = jax.tree.map(np.asarray, jit_once(probe)(P, Z))
     # which params enter the log-density of each site (any probe)
     enters = {n: {int(coord_param[j]) for j in np.nonzero(np.any(dep[n] != 0, (0, 1)))[0]}
               for n in site_names}
