@@ -40,6 +40,7 @@ from numpyro_fed.saem.model import (
     centred_score_hess,
     centring_design,
     data_signature,
+    jit_loop,
     jit_once,
     joint_layout,
     merge_data,
@@ -488,7 +489,7 @@ class SAEM:
             data = merge_data(arrays, static)
             return lax.scan(lambda c, x: step(c, x, data, aux, ids), carry, xs)
 
-        prog = jax.jit(chunk)
+        prog = jit_loop(chunk)
         st.programs["chunk"] = prog
         return prog
 

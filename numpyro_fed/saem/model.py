@@ -82,12 +82,22 @@ def data_signature(arrays, static):
 #: initial state): compiled for compile speed (no LLVM optimisation; 2-3x faster to compile,
 #: and they run for milliseconds); the SAEM loop itself is compiled with the defaults
 ONCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+#: XLA options of the SAEM loop and the likelihood / information programs: LLVM's -O1 runs
+#: them as fast as the default -O2 (measured on Theophylline: 0.75 s vs 0.81 s for the
+#: whole fit) and compiles 25% faster (10.9 s vs 14.4 s)
+LOOP_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
 def jit_once(fn, **kw):
     """:func:`jax.jit` for a program that runs once per model structure (see
     :data:`ONCE_COMPILER_OPTIONS`)."""
     return jax.jit(fn, compiler_options=ONCE_COMPILER_OPTIONS, **kw)
+
+
+def jit_loop(fn, **kw):
+    """:func:`jax.jit` for the programs that run on every fit (see
+    :data:`LOOP_COMPILER_OPTIONS`)."""
+    return jax.jit(fn, compiler_options=LOOP_COMPILER_OPTIONS, **kw)
 
 
 # ------------------------------------------------------------------------------ model

@@ -11,7 +11,7 @@ import numpy as np
 from jax import random
 
 from numpyro_fed.saem import likelihood as lik
-from numpyro_fed.saem.model import ModelInfo, SubjectLayout, joint_layout
+from numpyro_fed.saem.model import ModelInfo, SubjectLayout, jit_loop, joint_layout
 
 __all__ = ["SAEMResult", "ConvergenceWarning"]
 
@@ -74,7 +74,7 @@ class SAEMResult:
                 args, kwargs = merge_data(arrays, static)
                 return build(args, kwargs, ids)(*a)
 
-            prog = self._programs[key] = jax.jit(f)
+            prog = self._programs[key] = jit_loop(f)
         return lambda *a: prog(arrays, self.ids, *a)
 
     # -- estimates ----------------------------------------------------------------------------
