@@ -22,7 +22,7 @@ demo: $(VENV)/.installed-examples
 
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

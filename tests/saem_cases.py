@@ -681,6 +681,22 @@ def get_case(name: str) -> Case:
         return _BUILDERS[name]()
 
 
+@functools.cache
+def default_fit(name: str, seed: int = 0):
+    """``SAEM(case.model).run(jax.random.key(seed), **case.data)`` with every default, once
+    per process (the test files that judge the default fit share it), and the convergence
+    warnings it raised: ``(result, [warning messages])``."""
+    import warnings
+
+    from numpyro_fed.saem import SAEM, ConvergenceWarning
+
+    case = get_case(name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConvergenceWarning)
+        res = SAEM(case.model).run(jax.random.key(seed), **case.data)
+    return res, [str(w.message) for w in caught if issubclass(w.category, ConvergenceWarning)]
+
+
 def all_cases() -> list[Case]:
     return [get_case(n) for n in CASE_NAMES]
 

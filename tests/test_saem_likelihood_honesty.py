@@ -53,18 +53,15 @@ def _fit(model, key=0, **kw):
         return saem, saem.run(jax.random.key(key), **kw)
 
 
+# the default fits are shared with test_saem_defaults.py (sc.default_fit, cached per
+# process): one worker runs both files (make test: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("saem_default_fits")
+
+
 @pytest.fixture(scope="module")
 def default_fit():
-    """One default fit (seed 0) per case, shared by the tests of this module."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            case = sc.get_case(name)
-            cache[name] = (case, _fit(case.model, **case.data)[1])
-        return cache[name]
-
-    return get
+    """The default fit (seed 0) of a case: ``(case, result)``."""
+    return lambda name: (sc.get_case(name), sc.default_fit(name)[0])
 
 
 # ================================================================ 1. honest likelihoods
