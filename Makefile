@@ -2,7 +2,7 @@ PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-slow lint bench clean
 
 $(BIN)/python:
 	@$(PY) -c "import sys; assert sys.version_info >= (3, 11), \"Python >= 3.11 needed; set PY=/path/to/python3.11\""
@@ -22,7 +22,11 @@ demo: $(VENV)/.installed-examples
 
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25 -m "not slow" tests
+
+# the statistical tests marked slow (each compiles an SAEM program of its own; not in CI)
+test-slow: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -n 2 -m slow tests
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

@@ -329,7 +329,7 @@ def test_centring_design_finds_the_location_shifts_only():
     tolerance is float32 rounding of a least-squares solve (measured up to 2e-4)."""
     import saem_cases as sc
 
-    from numpyro_fed.saem.model import centring_design
+    from numpyro_fed.saem.model import centring_design, jit_once
 
     def design(name):
         c = sc.get_case(name)
@@ -337,8 +337,10 @@ def test_centring_design_finds_the_location_shifts_only():
         info = ModelInfo(c.model, (), c.data, key)
         lay, reason = subject_layout(info, None, (), c.data, key)
         assert lay is not None, reason
-        M = centring_design(info, lay, info.theta0_u_flat, info.z0_u_flat, (), c.data, key,
-                            ids=lay.ids)
+        # compiled as SAEM does (inside its init program), not op by op
+        M = jit_once(lambda t, z, data, ids: centring_design(
+            info, lay, t, z, (), data, key, ids=ids))(info.theta0_u_flat, info.z0_u_flat,
+                                                     c.data, lay.ids)
         return info, lay, np.asarray(M)
 
     info, lay, M = design("sleepstudy_lme4style")

@@ -198,6 +198,7 @@ def test_default_schedule_anneals_a_cholesky_omega(default_fit):
     _check_sleepstudy_annealing(case, res, schedule, init)
 
 
+@pytest.mark.slow  # a compile of its own (~25 s); the default-schedule test above runs in CI
 def test_explicit_annealing_schedule_with_a_cholesky_omega():
     """A stronger annealing factor (0.9) from variances 10-300x too large: the floor binds
     for tens of iterations in a row, and the fit still reaches the exact maximum."""
