@@ -360,3 +360,25 @@ def test_centring_design_finds_the_location_shifts_only():
     np.testing.assert_allclose(M, expect, atol=1e-3)
     _, _, M = design("sleepstudy")
     assert np.all(M == 0.0), np.abs(M).max(0)
+
+
+def test_low_acceptance_warning_is_for_kernels_with_a_test():
+    """The 'draws barely move' check reads the E-step's acceptance rate: meaningful for MALA
+    (and NumPyro kernels), not for ULA, which takes every move (its recorded rate is the
+    Metropolis ratio it skips)."""
+    import types
+
+    import pandas as pd
+
+    from numpyro_fed.saem import SAEMResult
+
+    K = 60
+    df = pd.DataFrame({"mu": np.linspace(1.0, 1.0, K), "accept_rate": np.full(K, 0.01)})
+
+    def msgs(kernel):
+        obj = types.SimpleNamespace(trajectory=df, num_exploration=30, names=["mu"],
+                                    settings={"kernel": kernel})
+        return SAEMResult.check_convergence(obj, warn=False)
+
+    assert any("barely move" in m for m in msgs("mala"))
+    assert not any("barely move" in m for m in msgs("ula"))

@@ -226,3 +226,20 @@ def test_divergence_adaptive_default_names_site():
             r"constraint=constraints\.positive")) as err:
         _saem(unconstrained_variance, mstep="newton", num_chains=2).run(random.key(0), Y5)
     assert "step_size=" not in str(err.value) and "reduce" not in str(err.value)
+
+
+def test_divergence_in_the_mstep_blames_the_mstep():
+    """A maximizer that returns NaN from finite statistics: the error says the M-step (the
+    user's maximizer) gave the non-finite theta, not the E-step's step size."""
+    from numpyro_fed.saem import SufficientStatistics
+
+    def stats(z, y=None, n=5):
+        return {"s": jnp.sum(z["z"])}
+
+    def bad_max(s, y=None, n=5):
+        return {"mu": s["s"] / 0.0 * 0.0, "omega": jnp.ones(())}
+
+    y = np.linspace(-1.0, 1.0, 5).astype(np.float32)
+    with pytest.raises(DivergenceError, match=r"M-step gave a non-finite theta at iteration 0"
+                                              r".*SufficientStatistics maximizer"):
+        _saem(hier, mstep=SufficientStatistics(stats, bad_max)).run(random.key(0), y=y)

@@ -72,6 +72,8 @@ class SAEMState(NamedTuple):
     - **rng_key** -- random key.
     - **bad_iter** -- first iteration with a non-finite E-step (-1: none; -2: burn-in).
     - **bad_theta** -- :math:`\\theta` (unconstrained) at that iteration.
+    - **bad_mstep** -- whether it was the M-step (a non-finite :math:`\\theta` from finite
+      latents) rather than the E-step.
     """
 
     k: jax.Array
@@ -81,6 +83,7 @@ class SAEMState(NamedTuple):
     rng_key: jax.Array
     bad_iter: jax.Array
     bad_theta: jax.Array
+    bad_mstep: jax.Array
 
 
 # phases of the compiled program
@@ -127,7 +130,7 @@ def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None):
             ok = finite & jnp.all(jnp.isfinite(theta_new))
             already = state.bad_iter != -1
             new = SAEMState(state.k + 1, theta_new, es, mst, key, state.bad_iter,
-                            state.bad_theta)
+                            state.bad_theta, state.bad_mstep)
             keep = already | ~ok
             out = jax.tree.map(lambda a, b: jnp.where(keep, a, b), state, new)
             # centred coordinates: the chains move with theta (z - M dtheta; see
@@ -136,7 +139,8 @@ def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None):
             flag = ~already & ~ok
             return out._replace(
                 rng_key=key, bad_iter=jnp.where(flag, state.k, state.bad_iter),
-                bad_theta=jnp.where(flag, theta, state.bad_theta)), zbuf, dacc
+                bad_theta=jnp.where(flag, theta, state.bad_theta),
+                bad_mstep=jnp.where(flag, finite, state.bad_mstep)), zbuf, dacc
 
         def b_draw(_):
             st = state._replace(estate=es, rng_key=key)
@@ -473,7 +477,7 @@ class SAEM:
             mshape = jax.eval_shape(lambda t, z: mstep.init(t, z, data, aux[0]), theta0, z0)
             mst = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mshape)
             state = SAEMState(jnp.zeros((), jnp.int32), theta0, es, mst, k_run,
-                              jnp.full((), -1, jnp.int32), theta0)
+                              jnp.full((), -1, jnp.int32), theta0, jnp.zeros((), bool))
             return state, z0, aux, per_site
 
         prog = jit_once(init) if st.builtin else init
@@ -660,6 +664,17 @@ class SAEM:
                 "values closer to the data (`init_params`)."
             )
         theta = _format_theta(info, state.bad_theta)
+        if bool(state.bad_mstep):
+            what = ("your SufficientStatistics maximizer"
+                    if st.mstep.kind == "sufficient-statistics"
+                    else f"the {st.mstep.kind} M-step")
+            return DivergenceError(
+                f"SAEM: the M-step gave a non-finite theta at iteration {bad}, from "
+                f"theta={theta} and finite latents (E-step: {summary}): {what} is not "
+                "defined at these statistics. Check it (a variance from a negative difference, "
+                "a division by a zero count), declare each param's constraint, or give "
+                "`init_params` closer to the data."
+            )
         sites = info.nonfinite_sites(info.constrain_theta(jnp.asarray(state.bad_theta)),
                                      st.latents(state.estate), args, kwargs)
         if sites:

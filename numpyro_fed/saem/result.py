@@ -255,7 +255,8 @@ class SAEMResult:
           the change of its mean between the two halves of the last 40% of exploration is
           larger than 3 standard errors of that difference (batch means over 10 iterations)
           and than 1% of its value -> more ``num_exploration``;
-        - a low acceptance rate of the E-step (< 5% on average over the final phase);
+        - a low acceptance rate of the E-step (< 5% on average over the final phase; not for
+          ULA, whose moves are all taken: its recorded rate is the Metropolis ratio it skips);
         - a coordinate still moving in the averaging phase: its last value is further from
           the mean of the second half of the phase than 25% of that phase's range plus 1%.
         """
@@ -286,7 +287,7 @@ class SAEMResult:
                     f"{2 * K1}) or give initial values closer to the estimates."
                 )
         final = df["accept_rate"].to_numpy()[K1:] if K1 < len(df) else df["accept_rate"].to_numpy()
-        if final.size and np.mean(final) < 0.05:
+        if final.size and self.settings.get("kernel") != "ula" and np.mean(final) < 0.05:
             msgs.append(
                 f"SAEM: the E-step accepted {np.mean(final):.1%} of its moves in the final "
                 "phase; the latent draws barely move (use the default adaptive E-step: "
