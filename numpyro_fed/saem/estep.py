@@ -145,9 +145,11 @@ class LangevinEStep:
             self.info, self.layout, theta_c, zf, args, kwargs, observed_only=True, ids=ids)[0])
 
     # -- init ------------------------------------------------------------------------------
-    def init(self, key, z, theta_u, data, ids=None) -> LangevinEStepState:
+    def init(self, key, z, theta_u, data, ids=None, log_step=None) -> LangevinEStepState:
         """Initial state at the chains' latents ``z`` ``(C, d_z)``; the adaptive
-        preconditioner starts at the curvature at the chains' mean (see :meth:`_track`)."""
+        preconditioner starts at the curvature at the chains' mean (see :meth:`_track`). With
+        a fixed step, ``log_step`` (traced; default: the log of ``step_size``) -- so that one
+        compiled program serves every step size of a sweep."""
         n, q = self.layout.n, self.layout.q
         dt = z.dtype
         mode = jnp.mean(z, 0)
@@ -158,7 +160,8 @@ class LangevinEStep:
             log_step = jnp.full((n,), jnp.log(0.5 / q ** (1.0 / 3.0)), dt)
         else:
             cov = jnp.ones((n, q), dt)
-            log_step = jnp.full((n,), jnp.log(self.step_size), dt)
+            ls = jnp.log(self.step_size) if log_step is None else log_step
+            log_step = jnp.full((n,), ls, dt)
         return LangevinEStepState(z, log_step, log_step, mode, cov, self._chol(cov),
                                   jnp.zeros((), dt))
 

@@ -318,7 +318,10 @@ class SAEM:
                 return id(v)
 
         return tuple(h(v) for v in (
-            self.kernel if isinstance(self.kernel, str) else id(self.kernel), self.step_size,
+            # a fixed step size is an argument of the compiled programs (a step-size sweep
+            # compiles once); only whether it is fixed is part of the structure
+            self.kernel if isinstance(self.kernel, str) else id(self.kernel),
+            self.step_size is None,
             self.num_mcmc_steps, self._num_chains, self.schedule, self.mstep_spec,
             self.preconditioner, self.fisher,
             None if self.annealed is None else tuple(self.annealed), self.subject_plate,
@@ -451,7 +454,7 @@ class SAEM:
         lay = st.layout
         centre = st.builtin and st.has_subjects and self.centring
 
-        def init(theta0, arrays, key, ids):
+        def init(theta0, arrays, key, ids, log_step0):
             args, kwargs = merge_data(arrays, static)
             data = (args, kwargs)
             theta_c = info.constrain_theta(theta0)
@@ -473,7 +476,8 @@ class SAEM:
                                  random.fold_in(key, 11), ids=ids) if centre
                  else jnp.zeros((z0.shape[1], theta0.shape[0]), z0.dtype))
             aux = (aux, M)
-            es = estep.init(k_e, z0, theta0, data, None) if st.builtin else None
+            es = (estep.init(k_e, z0, theta0, data, None, log_step=log_step0) if st.builtin
+                  else None)
             mshape = jax.eval_shape(lambda t, z: mstep.init(t, z, data, aux[0]), theta0, z0)
             mst = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mshape)
             state = SAEMState(jnp.zeros((), jnp.int32), theta0, es, mst, k_run,
@@ -560,7 +564,10 @@ class SAEM:
         theta0 = jnp.asarray(theta0, dtype=jnp.result_type(theta0.dtype))
         ids = self._ids(st, arrays, rng_key)
         init = self._init_program(st, static)
-        state, z0, aux, per_site = init(theta0, arrays, random.fold_in(rng_key, 1), ids)
+        log_step0 = jnp.asarray(math.log(self.step_size) if self.step_size else 0.0,
+                                theta0.dtype)
+        state, z0, aux, per_site = init(theta0, arrays, random.fold_in(rng_key, 1), ids,
+                                        log_step0)
         if not bool(np.all(np.asarray(per_site))):
             info.check_finite_at(info.constrain_theta(theta0), z0[0], args, kwargs)
         if not st.builtin:
