@@ -671,17 +671,6 @@ class SAEM:
                 "values closer to the data (`init_params`)."
             )
         theta = _format_theta(info, state.bad_theta)
-        if bool(state.bad_mstep):
-            what = ("your SufficientStatistics maximizer"
-                    if st.mstep.kind == "sufficient-statistics"
-                    else f"the {st.mstep.kind} M-step")
-            return DivergenceError(
-                f"SAEM: the M-step gave a non-finite theta at iteration {bad}, from "
-                f"theta={theta} and finite latents (E-step: {summary}): {what} is not "
-                "defined at these statistics. Check it (a variance from a negative difference, "
-                "a division by a zero count), declare each param's constraint, or give "
-                "`init_params` closer to the data."
-            )
         sites = info.nonfinite_sites(info.constrain_theta(jnp.asarray(state.bad_theta)),
                                      st.latents(state.estate), args, kwargs)
         if sites:
@@ -696,6 +685,17 @@ class SAEM:
                 "`init_params` closer to the data"
                 + ("." if st.builtin and self.step_size is None else
                    f"; if theta ran off because the E-step diverged first, {fix}.")
+            )
+        if bool(state.bad_mstep):  # the model is finite there: the M-step itself
+            what = ("your SufficientStatistics maximizer"
+                    if st.mstep.kind == "sufficient-statistics"
+                    else f"the {st.mstep.kind} M-step")
+            return DivergenceError(
+                f"SAEM: the M-step gave a non-finite theta at iteration {bad}, from "
+                f"theta={theta} and finite latents (E-step: {summary}): {what} is not "
+                "defined at these statistics. Check it (a variance from a negative difference, "
+                "a division by a zero count), declare each param's constraint, or give "
+                "`init_params` closer to the data."
             )
         return DivergenceError(
             f"SAEM: the E-step became non-finite at iteration {bad} with theta={theta} "
