@@ -411,7 +411,6 @@ class SAEM:
         st.estep = estep
         st.builtin = builtin
         need_sh = bool(getattr(mstep, "needs_score", False))
-        st.need_sh = need_sh
 
         def score_hess(theta_u, z, data, M):
             return centred_score_hess(info, theta_u, z, data[0], data[1], M)

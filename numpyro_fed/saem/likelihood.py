@@ -53,10 +53,6 @@ def _per_subject_fn(info: ModelInfo, layout: SubjectLayout, ids, theta_c, args, 
     return f
 
 
-def _blocks_to_flat(layout, zb):  # (..., n, q) -> (..., d_z)
-    return from_blocks(zb, layout.zidx)
-
-
 def _student_t(key, df: float, shape, dtype):
     """Student-t draws. For an even integer ``df`` <= 30 (the default 4) the chi-square
     variable is :math:`-2\\sum_{j\\le df/2}\\log U_j` (a sum of exponentials), exact and far
@@ -117,7 +113,7 @@ def importance_sampling(info: ModelInfo, layout: SubjectLayout | None, ids, thet
         xw = x / jnp.sqrt(w)[..., None]  # whitened t draws
         b = mu + jnp.einsum("nij,snj->sni", L, xw)
         lq = _mvt_logpdf(xw, logdet_L, df, q)  # (S, n)
-        lp, rest = jax.vmap(lambda bb: f(_blocks_to_flat(lay, bb)))(b)
+        lp, rest = jax.vmap(lambda bb: f(from_blocks(bb, lay.zidx)))(b)
         return lp - lq, rest[0]
 
     lw, rest = lax.map(one_batch, random.split(key, nb))
@@ -212,7 +208,7 @@ def gauss_hermite(info, layout, ids, theta_c, z_init, args, kwargs, num_nodes: i
 
     def at_node(xk):
         b = zb + jnp.sqrt(2.0) * jnp.einsum("nij,j->ni", L, xk)
-        return f(_blocks_to_flat(lay, b))[0]
+        return f(from_blocks(b, lay.zidx))[0]
 
     vals = lax.map(at_node, Xj)  # (K, n)
     terms = vals + jnp.asarray(logW, dt)[:, None]
