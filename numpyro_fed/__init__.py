@@ -6,6 +6,7 @@ An ordinary NumPyro model + a :class:`ClientPartition` of its data -> a NumPyro
 
 from numpyro_fed import compressors, distributed
 from numpyro_fed.bits import BitCounter, counter_value
+from numpyro_fed.compilation import enable_compilation_cache
 from numpyro_fed.distributed import shard_kernel, shard_partition
 from numpyro_fed.infdata import communication_summary, to_inference_data
 from numpyro_fed.kernels import (
@@ -58,6 +59,7 @@ __all__ = [
     "compressors",
     "counter_value",
     "distributed",
+    "enable_compilation_cache",
     "shard_kernel",
     "shard_partition",
     "to_inference_data",

@@ -10,7 +10,8 @@ or the argument, and the fix:
 3. ``init_params`` outside a param's support, naming an unknown param, or of the wrong shape
    (raised before anything is compiled);
 4. observed arrays whose length does not match their plate: long format with an integer
-   subject index (with and without a plate over the rows), padded subject x time arrays;
+   subject index (with and without a plate over the rows), padded subject x time arrays; a
+   subject index outside the plate (1-based, negative), which JAX would clamp silently;
 5. a diverging E-step (``DivergenceError``): the message quotes the E-step kernel's own step
    size -- a NumPyro kernel's, not SAEM's `step_size` -- and, when the M-step has moved a param
    where the model's log-density is not finite, names that site. (A diverging built-in ULA
@@ -182,6 +183,26 @@ def test_observed_length_does_not_match_plate():
             r"observed site 'y' has data of shape \(5, 3\).*plate 'time' has size 4 but the "
             r"data have 3 along dim -1")):
         _saem(padded).run(random.key(0), np.zeros((5, 3), np.float32))
+
+
+@pytest.mark.parametrize("first,fix", [(5, "1-based"), (-1, "negative")])
+def test_subject_index_outside_the_plate(first, fix):
+    """A 1-based subject index (values 1..5 for a plate of 5) or a negative one: JAX would
+    clamp (or wrap) it and fit those rows to the wrong subject without a word."""
+    subj = np.repeat(np.arange(5), 2)
+    if fix == "1-based":
+        subj = subj + 1  # 1..5: the rows of subject "5" would read z[4]
+    else:
+        subj[3] = first  # one row with -1: it would read z[4]
+    y = np.linspace(-1.0, 1.0, 10).astype(np.float32)
+    with pytest.raises(ValueError, match=(
+            r"integer data 'subj' indexes the subjects of site 'y'.*outside 0\.\.4, the "
+            r"size of the subject plate.*JAX clamps out-of-range indices.*Number the "
+            r"subjects 0\.\.4")):
+        _saem(long_format).run(random.key(0), y, subj=subj)
+    # the same rows numbered 0..4 fit
+    res = _saem(long_format).run(random.key(0), y, subj=np.repeat(np.arange(5), 2))
+    assert np.isfinite(float(res.params["omega"]))
 
 
 # ----------------------------------------------------------------------------- 5. divergence
