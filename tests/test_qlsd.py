@@ -126,6 +126,8 @@ def ula_reference():
         return part, draws(ula)
 
 
+# the module fixtures below run once per xdist worker: their tests share one worker
+@pytest.mark.xdist_group("qlsd_ula_reference")
 @pytest.mark.parametrize(
     "variant, kwargs",
     [("#", {"memory_rate": 1.0}), ("++", {}), ("*", {"theta_star": {"theta": [3.0, -2.0]}})],
@@ -270,6 +272,7 @@ def heterogeneous_errors():
     return out, refreshes
 
 
+@pytest.mark.xdist_group("qlsd_heterogeneous")
 def test_variance_reduced_variants_have_smaller_bias_under_heterogeneity(heterogeneous_errors):
     """Table 1: QLSD#'s asymptotic bias grows with sum_i ||grad U_i(theta*)||^2 (local
     posterior discrepancy) and with the minibatch variance (N^2 term); QLSD* and QLSD++'s
@@ -283,6 +286,7 @@ def test_variance_reduced_variants_have_smaller_bias_under_heterogeneity(heterog
     assert errs["#"] > 5 * max(errs["*"], errs["++"]), errs
 
 
+@pytest.mark.xdist_group("qlsd_heterogeneous")
 def test_memory_reduces_variance_error_of_qlsd_plusplus(heterogeneous_errors):
     """Sec. 4 (SYNTHETIC experiment, s in {2, 4}): without memory QLSD++ compresses H_i ~
     grad U_i(theta*) != 0 under heterogeneity, whose quantisation noise omega ||grad

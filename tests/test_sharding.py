@@ -12,10 +12,14 @@ import textwrap
 
 import pytest
 
+# one worker runs the subprocess (a module fixture would run once per xdist worker)
+pytestmark = pytest.mark.xdist_group("sharding")
+
 SCRIPT = textwrap.dedent(
     r"""
     import os, json
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4")
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp, numpy as np
     from jax import random
@@ -81,8 +85,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def result():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ)  # the session's XLA_FLAGS and compilation cache (conftest.py)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
