@@ -115,7 +115,7 @@ def test_variant_spellings_classes_and_clear_errors():
 
 
 # ----------------------------------------------------------------------------- exactness
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept when xdist interleaves modules
 def ula_reference():
     """ULA on the pooled data (float64), the chain every full-batch LSD variant must equal."""
     with jax.enable_x64(True):
@@ -247,7 +247,7 @@ def test_compressed_variants_match_reference_implementation(variant):
 
 
 # ----------------------------------------------------------------------------- paper claims
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept when xdist interleaves modules
 def heterogeneous_errors():
     """Strongly heterogeneous clients (client means ~ N(0, 10^2)), d = 8, s = 2 levels
     (omega = min(d/s^2, sqrt(d)/s) = 1.41), step * a = 0.1, minibatch n = 10 of N_i = 30.

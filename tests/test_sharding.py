@@ -83,7 +83,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept when xdist interleaves modules
 def result():
     env = dict(os.environ)  # the session's XLA_FLAGS and compilation cache (conftest.py)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
