@@ -382,3 +382,16 @@ def test_low_acceptance_warning_is_for_kernels_with_a_test():
 
     assert any("barely move" in m for m in msgs("mala"))
     assert not any("barely move" in m for m in msgs("ula"))
+    # a parameter still drifting at the end of exploration: the advice is a schedule that
+    # keeps an averaging phase (advising num_exploration alone once left none at all)
+    import re
+
+    mu = 1.0 + 0.01 * np.random.default_rng(0).normal(size=200) + (np.arange(200) >= 80)
+    drift = pd.DataFrame({"mu": mu, "accept_rate": np.full(200, 0.5)})  # moves at 80
+    obj = types.SimpleNamespace(trajectory=drift, num_exploration=100, names=["mu"],
+                                settings={"kernel": "mala"})
+    msg = next(m for m in SAEMResult.check_convergence(obj, warn=False) if "drift" in m)
+    ni, ne = map(int, re.search(r"Schedule\(num_iters=(\d+), num_exploration=(\d+)\)",
+                                msg).groups())
+    assert (ni, ne) == (400, 200)
+    Schedule(num_iters=ni, num_exploration=ne).gamma_sequence()

@@ -205,6 +205,19 @@ def test_subject_index_outside_the_plate(first, fix):
     assert np.isfinite(float(res.params["omega"]))
 
 
+def test_schedule_without_averaging_phase():
+    """num_exploration >= num_iters leaves no 1/k averaging (every gamma = 1): the estimate
+    would be one noisy iterate (on Orthodont, -2LL 2.6 above the maximum, no warning).
+    Refused when SAEM is built, before anything is compiled."""
+    with pytest.raises(ValueError, match=(
+            r"Schedule\(num_iters=500, num_exploration=600\): every iteration is an "
+            r"exploration iteration.*nothing is averaged.*e\.g\. Schedule\(num_iters=800, "
+            r"num_exploration=600\)")):
+        SAEM(hier, schedule=Schedule(num_exploration=600))
+    with pytest.raises(ValueError, match="num_exploration=300"):
+        Schedule.saemix(k1=300, k2=0).gamma_sequence()
+
+
 # ----------------------------------------------------------------------------- 5. divergence
 def unconstrained_variance(y=None, n=5):
     """A variance declared without its positive constraint: with var(y) < 1 its MLE is at

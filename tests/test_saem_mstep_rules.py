@@ -235,3 +235,50 @@ def test_annealing(setup, k, rule, old_diag):
                                atol=RTOL * np.abs(mu).max())
     np.testing.assert_allclose(ann[f"sigma_{rule}"] ** 2, TAU * sigma_old**2, rtol=RTOL)
 
+
+
+def two_sites(t, y=None):
+    """Independent intercepts and slopes: b0_i ~ N(beta0, omega_0), b1_i ~ N(beta1, omega_1)."""
+    beta0 = numpyro.param("beta0", 0.0)
+    beta1 = numpyro.param("beta1", 0.0)
+    omega = numpyro.param("omega", np.ones(2, np.float32), constraint=constraints.positive)
+    sigma = numpyro.param("sigma", 1.0, constraint=constraints.positive)
+    with numpyro.plate("subject", N, dim=-2):
+        b0 = numpyro.sample("b0", dist.Normal(beta0, omega[0]))
+        b1 = numpyro.sample("b1", dist.Normal(beta1, omega[1]))
+        numpyro.sample("y", dist.Normal(b0 + b1 * t, sigma), obs=y)
+
+
+def test_locations_exact_when_one_variance_is_at_its_floor():
+    """Regression (Orthodont, 600 exploration iterations): omega_0 collapsed to 1e-15 made
+    the weights of the two sites differ by 1e28, and a ridge relative to trace(M) then set
+    beta1 to 3e-20 (the -2LL 80 above the maximum). With gamma = 1 each location is the
+    mean of its own site's draws, whatever the other site's variance: the Jacobi-scaled
+    solve gives it to float32 rounding (rtol 1e-5, ~100 ulps of a mean of 90 terms)."""
+    rng = np.random.default_rng(3)
+    y = rng.normal(size=(N, T)).astype(np.float32)
+    args, kwargs = (jnp.asarray(TIMES),), {"y": jnp.asarray(y)}
+    info = ModelInfo(two_sites, args, kwargs, random.PRNGKey(0))
+    spec, reason = detect_gaussian(info, args, kwargs, random.PRNGKey(1))
+    assert spec is not None and set(spec.diag_sites) == {"b0", "b1"}, reason
+    mstep = GaussianMStep(info, spec)
+    data = (args, kwargs)
+    b0 = 17.0 + 1e-3 * rng.normal(size=(C, N, 1)).astype(np.float32)
+    b1 = 0.66 + 0.1 * rng.normal(size=(C, N, 1)).astype(np.float32)
+
+    @jax.jit
+    def update(theta_c, b0, b1):
+        theta_u = info.unconstrain_theta(theta_c)
+        z = jax.vmap(lambda u, v: info.unconstrain_z({"b0": u, "b1": v}))(b0, b1)
+        aux = mstep.prepare(theta_u, z, data)
+        shape = jax.eval_shape(lambda: mstep.init(theta_u, z, data, aux))
+        state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shape)
+        theta_new, _ = mstep.update(state, jnp.float32(1.0), theta_u, z, data, aux, False,
+                                    None)
+        return info.constrain_theta(theta_new)
+
+    tc = {"beta0": np.float32(17.0), "beta1": np.float32(0.5),
+          "omega": np.array([1e-15, 0.1], np.float32), "sigma": np.float32(1.0)}
+    out = update(tc, b0, b1)
+    np.testing.assert_allclose(float(out["beta0"]), b0.mean(dtype=np.float64), rtol=1e-5)
+    np.testing.assert_allclose(float(out["beta1"]), b1.mean(dtype=np.float64), rtol=1e-5)

@@ -671,8 +671,13 @@ class GaussianMStep:
                     S1 = s["mvn"][k][0]
                     M = M + jnp.einsum("rqp,qs,rsk->pk", Ak, Si, Ak)
                     r = r + jnp.einsum("rqp,qs,rs->p", Ak, Si, S1 - aux.mvn_c[k])
-                ridge = 1e-10 * jnp.trace(M) / p + 1e-300
-                beta = jnp.linalg.solve(M + ridge * jnp.eye(p, dtype=t.dtype), r)
+                # Jacobi-scaled solve with a relative ridge: the weights 1/omega^2 of two
+                # sites may differ by many orders of magnitude (a variance near its floor),
+                # and a ridge relative to trace(M) would then pull the coefficients of the
+                # weakly weighted site to 0
+                dsc = 1.0 / jnp.sqrt(jnp.maximum(jnp.diagonal(M), 1e-300))
+                Ms = M * dsc[:, None] * dsc[None, :]
+                beta = dsc * jnp.linalg.solve(Ms + 1e-10 * jnp.eye(p, dtype=t.dtype), dsc * r)
                 t = t.at[spec.loc_idx].set(beta)
             else:
                 beta = jnp.zeros(0, t.dtype)

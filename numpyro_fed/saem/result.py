@@ -283,8 +283,9 @@ class SAEMResult:
                 names = [c for c, d in zip(cols, drift, strict=True) if d]
                 msgs.append(
                     f"SAEM: {names} still drift at the end of the exploration phase "
-                    f"({K1} iterations); increase Schedule(num_exploration=...) (e.g. "
-                    f"{2 * K1}) or give initial values closer to the estimates."
+                    f"({K1} iterations); lengthen both phases (e.g. Schedule(num_iters="
+                    f"{2 * K1 + max(len(df) - K1, 200)}, num_exploration={2 * K1})) or give "
+                    "initial values closer to the estimates."
                 )
         final = df["accept_rate"].to_numpy()[K1:] if K1 < len(df) else df["accept_rate"].to_numpy()
         if final.size and self.settings.get("kernel") != "ula" and np.mean(final) < 0.05:

@@ -79,6 +79,15 @@ class Schedule:
                 raise ValueError(f"Schedule.{name} must be a non-negative int, got {v!r}.")
         if self.num_iters < 1:
             raise ValueError("Schedule.num_iters must be at least 1.")
+        if self.gammas is None and self.num_exploration >= self.num_iters:
+            raise ValueError(
+                f"Schedule(num_iters={self.num_iters}, num_exploration={self.num_exploration}):"
+                " every iteration is an exploration iteration (gamma = 1), so nothing is "
+                "averaged and the estimate is the last, noisy, iterate. Give num_iters > "
+                "num_exploration (saemix averages over 100-200 more iterations), e.g. "
+                f"Schedule(num_iters={self.num_exploration + 200}, "
+                f"num_exploration={self.num_exploration}) or Schedule.saemix(k1=..., k2=...)."
+            )
         if self.gammas is None:
             if not 0.0 < self.decay <= 1.0:
                 raise ValueError(
