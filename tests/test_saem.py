@@ -78,7 +78,8 @@ def test_schedule_and_errors():
     # a diverging E-step reports theta and the step size (ULA: MALA would reject the moves)
     y = _toy_data()
     with pytest.raises(DivergenceError, match=r"theta=\{mu: .*step_size=50"):
-        SAEM(hier, kernel="ula", step_size=50.0, schedule=Schedule(num_iters=20, num_burnin=0),
+        SAEM(hier, kernel="ula", step_size=50.0,
+             schedule=Schedule(num_iters=20, num_exploration=10, num_burnin=0),
              fisher=False).run(random.key(0), y)
 
 
