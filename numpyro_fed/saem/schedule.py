@@ -19,7 +19,9 @@ class Schedule:
     Carlo variance of the final average at a small cost).
 
     :param num_iters: number of SAEM iterations (E-step + SA + M-step).
-    :param num_exploration: iterations at :math:`\\gamma = 1` at the start (saemix's ``K1``).
+    :param num_exploration: iterations at :math:`\\gamma = 1` at the start (saemix's ``K1``);
+        fewer than ``num_iters`` (a schedule with no averaging phase is refused: its estimate
+        would be the last, noisy, iterate), unless ``gammas`` are given.
     :param decay: exponent :math:`a` of :math:`\\gamma_k = (k - K_1 + 1)^{-a}` after the
         exploration phase; :math:`a \\in (0, 1]`. The MCMC-SAEM paper uses :math:`a = 1/2`
         (Sec. 5); saemix uses :math:`a = 1`, which makes the final phase an average of the
