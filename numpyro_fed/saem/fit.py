@@ -272,7 +272,6 @@ class SAEM:
         self.init_strategy = init_strategy
         self.init_jitter = float(init_jitter)
         self.schedule = Schedule() if schedule is None else schedule
-        self.schedule.gamma_sequence()  # validated before anything is traced or compiled
         if not isinstance(self.schedule, Schedule):
             raise TypeError("`schedule` must be a numpyro_fed.saem.Schedule.")
         self.gammas = self.schedule.gamma_sequence()

@@ -611,7 +611,7 @@ def outside_ids_program(info: ModelInfo, layout: SubjectLayout, static, max_bloc
                 return None, (f"an element of the log-density of site '{nm}' depends on the "
                               "latents of more than one subject")
             ids[nm] = np.where(cnt == 1, arg, -1).astype(np.int32)
-        msg = _clamped_subject_index(arrays, static, ids, n)
+        msg = _clamped_subject_index(arrays, ids, n)
         if msg:
             raise ValueError(msg)
         return ids, ""
@@ -619,7 +619,7 @@ def outside_ids_program(info: ModelInfo, layout: SubjectLayout, static, max_bloc
     return run
 
 
-def _clamped_subject_index(arrays, static, ids: dict, n: int) -> str:
+def _clamped_subject_index(arrays, ids: dict, n: int) -> str:
     """An error message when an integer data argument is a subject index (its in-range
     values are the subjects the rows were found to depend on) with values outside
     ``0..n-1``: JAX indexing clamps them (``>= n`` reads subject ``n-1``, a negative one
