@@ -138,7 +138,7 @@ def setup():
     info = ModelInfo(model, args, kwargs, random.PRNGKey(0))
     spec, reason = detect_gaussian(info, args, kwargs, random.PRNGKey(1))
     assert spec is not None, reason
-    mstep = GaussianMStep(info, spec)
+    mstep = GaussianMStep(info, spec, interweave=False)  # the closed-form cycle alone
     data = (args, kwargs)
 
     def one_update(theta_c, phi, anneal):
@@ -148,7 +148,8 @@ def setup():
         must forget it (and computing it by init would cost a model trace more to compile)."""
         theta_u = info.unconstrain_theta(theta_c)
         z = jax.vmap(info.unconstrain_z)(phi)
-        aux = mstep.prepare(theta_u, z, data)
+        aux = mstep.prepare(theta_u, z, data,
+                            jnp.zeros((z.shape[1], theta_u.shape[0]), z.dtype))
         shape = jax.eval_shape(lambda: mstep.init(theta_u, z, data, aux))
         state = jax.tree.map(lambda a: jnp.full(a.shape, 7.0, a.dtype), shape)
         theta_new, _ = mstep.update(state, jnp.float32(1.0), theta_u, z, data, aux, anneal,
@@ -261,7 +262,7 @@ def test_locations_exact_when_one_variance_is_at_its_floor():
     info = ModelInfo(two_sites, args, kwargs, random.PRNGKey(0))
     spec, reason = detect_gaussian(info, args, kwargs, random.PRNGKey(1))
     assert spec is not None and set(spec.diag_sites) == {"b0", "b1"}, reason
-    mstep = GaussianMStep(info, spec)
+    mstep = GaussianMStep(info, spec, interweave=False)  # the closed-form cycle alone
     data = (args, kwargs)
     b0 = 17.0 + 1e-3 * rng.normal(size=(C, N, 1)).astype(np.float32)
     b1 = 0.66 + 0.1 * rng.normal(size=(C, N, 1)).astype(np.float32)
@@ -270,7 +271,8 @@ def test_locations_exact_when_one_variance_is_at_its_floor():
     def update(theta_c, b0, b1):
         theta_u = info.unconstrain_theta(theta_c)
         z = jax.vmap(lambda u, v: info.unconstrain_z({"b0": u, "b1": v}))(b0, b1)
-        aux = mstep.prepare(theta_u, z, data)
+        aux = mstep.prepare(theta_u, z, data,
+                            jnp.zeros((z.shape[1], theta_u.shape[0]), z.dtype))
         shape = jax.eval_shape(lambda: mstep.init(theta_u, z, data, aux))
         state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shape)
         theta_new, _ = mstep.update(state, jnp.float32(1.0), theta_u, z, data, aux, False,

@@ -362,6 +362,11 @@ class LangevinEStep:
         coordinates, see :func:`~numpyro_fed.saem.model.centring_design`)."""
         return state._replace(z=state.z - dz, mean=state.mean - dz)
 
+    def move(self, state: LangevinEStepState, fn: Callable) -> LangevinEStepState:
+        """Move every chain and the tracked modes by ``fn`` (flat ``(d_z,) -> (d_z,)``, an
+        affine map per coordinate: the M-step's transport of the chains)."""
+        return state._replace(z=jax.vmap(fn)(state.z), mean=fn(state.mean))
+
     def step_size_summary(self, state: LangevinEStepState) -> str:
         h = np.exp(np.asarray(state.log_step_avg if self.adaptive else state.log_step))
         if self.adaptive:
@@ -420,6 +425,10 @@ class NumPyroEStep:
 
     def shift(self, state, dz):
         """No centring for user kernels (their state is theirs): unchanged."""
+        return state
+
+    def move(self, state, fn):
+        """Unchanged (as :meth:`shift`)."""
         return state
 
     def step_size_summary(self, state: Any = None) -> str:

@@ -133,9 +133,14 @@ def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None):
                             state.bad_theta, state.bad_mstep)
             keep = already | ~ok
             out = jax.tree.map(lambda a, b: jnp.where(keep, a, b), state, new)
-            # centred coordinates: the chains move with theta (z - M dtheta; see
-            # centring_design)
-            out = out._replace(estate=estep.shift(out.estate, M @ (out.theta - theta)))
+            # the chains move with theta: by the M-step's transport (interweaving), else in
+            # the centred coordinates (z - M dtheta; see centring_design)
+            transport = getattr(mstep, "transport", None)
+            if transport is None:
+                out = out._replace(estate=estep.shift(out.estate, M @ (out.theta - theta)))
+            else:
+                out = out._replace(estate=estep.move(out.estate, lambda zf: transport(
+                    out.mstate, zf, theta, out.theta, aux)))
             flag = ~already & ~ok
             return out._replace(
                 rng_key=key, bad_iter=jnp.where(flag, state.k, state.bad_iter),
@@ -470,11 +475,10 @@ class SAEM:
             z0 = zs.at[1:].add(noise[1:])
             # per-site finiteness at the initial point (a clear error if not)
             per_site = _site_finite(info, theta_c, z0[0], args, kwargs)
-            aux = mstep.prepare(theta0, z0, data)
             M = (centring_design(info, lay, theta0, z0[0], args, kwargs,
                                  random.fold_in(key, 11), ids=ids) if centre
                  else jnp.zeros((z0.shape[1], theta0.shape[0]), z0.dtype))
-            aux = (aux, M)
+            aux = (mstep.prepare(theta0, z0, data, M), M)
             es = (estep.init(k_e, z0, theta0, data, None, log_step=log_step0) if st.builtin
                   else None)
             mshape = jax.eval_shape(lambda t, z: mstep.init(t, z, data, aux[0]), theta0, z0)
