@@ -22,7 +22,11 @@ squares; :math:`\\beta` by generalised least squares and :math:`\\Omega` by the 
 alternated (expectation-conditional maximisation). Every other parameter -- fixed effects
 without a random effect, parameters of a non-Gaussian likelihood, a combined error model --
 is updated by the stochastic-approximation Newton step of :class:`NewtonMStep` restricted to
-those coordinates (a hybrid: the closed form where it exists, Newton elsewhere).
+those coordinates (a hybrid: the closed form where it exists, Newton elsewhere). With
+``interweave`` (the default) a third cycle follows: SA-Newton in the non-centred
+parametrisation of the diagonal sites, :math:`z = \\mu(\\theta) + \\omega(\\theta)\\eta` with
+:math:`\\eta` held fixed (Yu & Meng 2011's interweaving, as an AECM cycle of Meng & van Dyk
+1997), which converges fast where the centred cycles move at EM's slow rate.
 """
 
 from __future__ import annotations
