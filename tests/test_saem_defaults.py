@@ -12,19 +12,19 @@ minimum; the importance-sampling -2LL reported by the fit within 0.5 of the exac
 Why these tolerances hold for one fixed seed: the Monte Carlo error of SAEM's final average
 (200 iterations of the averaging phase) was measured over seeds 0-3 on every case
 (``examples/saem_unseen.py``): on sleepstudy, dyestuff, Theophylline, cbpp and epil every fit
-of every seed met every target, with the exact -2LL gap <= 0.013 and the reported IS -2LL
-within 0.07 of the exact minimum, so seed 0 is not a lucky draw; Orange met them on 3 of 4
-seeds (seed 2: xmid -0.25 SE against the 0.2 SE target, -2LL gap 0.07). The IS -2LL has a
+of every seed met every target, with the exact -2LL gap <= 0.057 and the reported IS -2LL
+within 0.12 of the exact minimum, so seed 0 is not a lucky draw; Orange meets them on 4 of 4
+seeds (with interweaving; 3 of 4 without). The IS -2LL has a
 Monte Carlo SE of ~0.02-0.05 (reported by ``log_likelihood``), far below 0.5.
 
 The two weakly identified cases (``orthodont``: omega_slope^2 of SE 1.2 x its value;
 ``loblolly``: omega_lrc^2 of SE 0.8 x its value) are run over seeds 0-3 in
 ``examples/saem_unseen.py``: with the interweaving M-step cycle (non-centred SA-Newton on
-the diagonal sites) each meets every target on 3 of 4 seeds (without it: 0/4 and 2/4); the
-misses (0.55 and 0.38 SE on a variance, -2LL gap 0.33 and 0.18) lie along the ridge of two
-variances, where SAEM's averaging phase still moves at EM's rate. CI runs Orthodont at one
-seed that meets the targets (seed 3; without interweaving it missed them: beta_age +0.33 SE,
--2LL gap 0.17).
+the diagonal sites) Loblolly meets every target on 4 of 4 seeds and Orthodont on 3 of 4
+(without it: 2/4 and 0/4); the miss (Orthodont seed 0: beta_sex 0.22 SE off, -2LL gap 0.11)
+lies along the ridge of the two variances, where SAEM's averaging phase still moves at EM's
+rate. CI runs Orthodont at one seed that meets the targets (seed 3; without interweaving it
+missed them: beta_age +0.33 SE, -2LL gap 0.17).
 """
 
 import jax

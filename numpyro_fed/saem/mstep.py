@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
-from jax import random
+from jax import lax, random
 from jax.flatten_util import ravel_pytree
 from numpyro.distributions import constraints
 from numpyro.infer.util import compute_log_probs
@@ -543,6 +543,7 @@ class GaussianState(NamedTuple):
     newton: NewtonState  # centred SA-Newton cycle (full (d,) coordinates)
     nc: NewtonState  # interweaving SA-Newton cycle (its own coordinates; empty if none)
     ref: jax.Array  # theta before the interweaving cycle of the last update (unconstrained)
+    count: jax.Array  # updates done
 
 
 class GaussianMStep:
@@ -668,7 +669,8 @@ class GaussianMStep:
         nw = NewtonState(jnp.zeros(d, dt), jnp.zeros((d, d), dt), jnp.zeros((d, d), dt))
         e = int(self.nc_idx_u.size) if self.interweave else 0
         nc = NewtonState(jnp.zeros(e, dt), jnp.zeros((e, e), dt), jnp.zeros((e, e), dt))
-        return GaussianState(self._mean_stats(theta_u, z, data), nw, nc, theta_u)
+        return GaussianState(self._mean_stats(theta_u, z, data), nw, nc, theta_u,
+                             jnp.zeros((), jnp.int32))
 
     # -- maximisation ------------------------------------------------------------------------
     def _maximize(self, s, t, aux: GaussianAux, anneal):
@@ -784,8 +786,9 @@ class GaussianMStep:
         z1 = zf - aux.M @ (state.ref - theta_old)
         return self._nc_path(theta_new, state.ref, z1, aux)[0]
 
-    def _nc_score_hess(self, theta_u, z, data, aux: GaussianAux):
-        """Mean over chains of the score and Hessian, in the interweaving coordinates, of
+    def _nc_score_hess(self, theta_u, z, data, aux: GaussianAux, chain):
+        """Mean over chains of the score, and the Hessian at chain ``chain % C``, in the
+        interweaving coordinates, of
         :math:`\\log p(y, z(t)\\mid t) + \\log|\\partial z(t)/\\partial\\eta|` along the
         non-centred path through each chain (:meth:`_nc_path`)."""
         args, kwargs = data
@@ -797,13 +800,15 @@ class GaussianMStep:
             z2, lj = self._nc_path(t, theta_u, zf, aux)
             return info.log_joint(t, z2, args, kwargs) + lj
 
-        def one(zf):
-            gfn = jax.grad(ll)
-            H, g = jax.jacfwd(lambda x: (gfn(x, zf),) * 2, has_aux=True)(theta_u[idx])
-            return g, H
-
-        g, H = jax.vmap(one)(z)
-        return jnp.mean(g, 0), jnp.mean(H, 0)
+        gfn = jax.grad(ll)
+        x0 = theta_u[idx]
+        g = jnp.mean(jax.vmap(lambda zf: gfn(x0, zf))(z), 0)
+        # the Hessian (one JVP of the score per coordinate: the costly part) at one chain,
+        # a different one at each update: it scales the step only (the fixed point is where
+        # the SA-averaged score vanishes), and its SA average runs over the chains
+        zc = lax.dynamic_index_in_dim(z, chain % z.shape[0], keepdims=False)
+        H = jax.jacfwd(lambda x: gfn(x, zc))(x0)
+        return g, H
 
     def update(self, state: GaussianState, gamma, theta_u, z, data, aux, anneal, score_hess):
         """One M-step (an AECM iteration, Meng & van Dyk 1997): the SA statistics and the
@@ -829,10 +834,10 @@ class GaussianMStep:
         if self.interweave:
             idx = jnp.asarray(self.nc_idx_u)
             z2 = jax.vmap(lambda zf: zf - aux.M @ (theta2 - theta_u))(z)
-            sc, he = self._nc_score_hess(theta2, z2, data, aux)
+            sc, he = self._nc_score_hess(theta2, z2, data, aux, state.count)
             theta_new, nc = _block_newton(info, nc, idx, gamma, theta_u, theta2, sc, he, self,
                                           self.nc_annealed, anneal, full=False)
-        return theta_new, GaussianState(s, nw, nc, theta2)
+        return theta_new, GaussianState(s, nw, nc, theta2, state.count + 1)
 
 
 def _block_newton(info, nw: NewtonState, idx, gamma, theta_old, theta_u, sc, he, opts, mask,
