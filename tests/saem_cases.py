@@ -423,6 +423,64 @@ def _case_orthodont() -> Case:
     )
 
 
+# -- 4b. Orthodont with correlated random effects (lme4's default (age | Subject)) ----------
+def orthodont_full_model(age, female, distance=None):
+    """Orthodontic distance (mm); per-subject (intercept, slope on age) ~ MVN((beta0 +
+    beta_sex female, beta_age), L L^T) with a lower_cholesky L; arrays (subject, 4)."""
+    beta0 = numpyro.param("beta0", 10.0)
+    beta_age = numpyro.param("beta_age", 1.0)
+    beta_sex = numpyro.param("beta_sex", 0.0)
+    L = numpyro.param("L", jnp.eye(2), constraint=constraints.lower_cholesky)
+    sigma = numpyro.param("sigma", 1.0, constraint=constraints.positive)
+    n = age.shape[0]
+    loc = jnp.stack([beta0 + beta_sex * female, jnp.full(n, beta_age)], -1)
+    with numpyro.plate("subject", n):
+        b = numpyro.sample("b", dist.MultivariateNormal(loc, scale_tril=L))
+        mean = b[:, :1] + b[:, 1:] * age
+        numpyro.sample("distance", dist.Normal(mean, sigma).to_event(1), obs=distance)
+
+
+def _case_orthodont_full() -> Case:
+    base = _case_orthodont()
+    age, female, dist_ = (base.data[k] for k in ("age", "female", "distance"))
+    n, T = age.shape
+
+    def log_joint(th, b):
+        loc = jnp.stack([th["beta0"] + th["beta_sex"] * _j(female),
+                         jnp.full(n, th["beta_age"])], -1)
+        lp = _mvn_logpdf_chol(b, loc, th["L"])
+        mean = b[:, :1] + b[:, 1:] * _j(age)
+        return lp + jnp.sum(norm.logpdf(_j(dist_), mean, th["sigma"]), 1)
+
+    def closed_form(th):
+        A = _j(age)
+        Z = jnp.stack([jnp.ones((n, T)), A], -1)
+        m = (th["beta0"] + th["beta_sex"] * _j(female))[:, None] + th["beta_age"] * A
+        return _gauss_marginal(_j(dist_), m, Z, th["L"] @ th["L"].T, th["sigma"] ** 2)
+
+    def extra(th, out):
+        S = th["L"] @ th["L"].T
+        out["Sigma[0,0]"], out["Sigma[1,1]"], out["Sigma[1,0]"] = S[0, 0], S[1, 1], S[1, 0]
+
+    q = _quantities(("beta0", "beta_age", "beta_sex"), ("sigma",), extra)
+    ex = {"beta0": 0.0, "beta_age": 0.0, "beta_sex": 0.0, "L": jnp.eye(2), "sigma": 1.0}
+    return Case(
+        name="orthodont_full", model=orthodont_full_model, data=dict(base.data),
+        description="nlme Orthodont with correlated random intercept and slope (lme4's "
+                    "(age | Subject)): (b0_i, b1_i) ~ MVN((beta0 + beta_sex Female, "
+                    "beta_age), L L^T); padded 27 x 4",
+        covers=("LMM", "full Omega (lower_cholesky)", "categorical covariate in the MVN mean",
+                "padded format", "uncentred covariate (strong intercept-slope correlation)"),
+        layout="padded", n_subjects=n, n_obs=n * T, n_re=2, subject_plate="subject",
+        log_joint=log_joint,
+        re_init=lambda th: jnp.stack([th["beta0"] + th["beta_sex"] * _j(female),
+                                      jnp.full(n, th["beta_age"])], -1),
+        latents=lambda b: {"b": b}, quantities=q,
+        kinds=_kinds(q, ex, cov=("Sigma[1,0]",)), closed_form=closed_form, num_nodes=15,
+        cov_pairs={"Sigma[1,0]": ("Sigma[0,0]", "Sigma[1,1]")},
+    )
+
+
 # -- 5. Orange: logistic growth, RE on the asymptote only ------------------------------
 def orange_model(age, circumference=None):
     """Trunk circumference (mm) of 5 orange trees: asym_i / (1 + exp(-(age - xmid)/scal)),
@@ -663,6 +721,7 @@ _BUILDERS = {
     "sleepstudy_lme4style": _case_sleepstudy_lme4style,
     "dyestuff": _case_dyestuff,
     "orthodont": _case_orthodont,
+    "orthodont_full": _case_orthodont_full,
     "orange": _case_orange,
     "loblolly": _case_loblolly,
     "theoph_long": _case_theoph_long,

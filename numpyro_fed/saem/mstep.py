@@ -133,6 +133,7 @@ class GaussianSpec(NamedTuple):
     newton_idx: np.ndarray  # flat theta indices updated by SA-Newton
     mvn_q: tuple  # event size of each MVN site
     diag_loc_idx: np.ndarray = np.zeros(0, int)  # flat theta indices of diag-site locations
+    mvn_par_idx: np.ndarray = np.zeros(0, int)  # flat theta indices of MVN locations, covs
 
 
 _MVN_RULES = ("cholesky", "covariance", "scale_corr")
@@ -347,6 +348,8 @@ def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | 
         mvn_q=tuple(cand_lat[n]["q"] for n in mvn_sites),
         diag_loc_idx=idx_of(set().union(*[cand_lat[n]["loc"] for n in diag_sites])
                             if diag_sites else set()),
+        mvn_par_idx=idx_of(set().union(*[cand_lat[n]["loc"] | cand_lat[n]["scale"]
+                                         for n in mvn_sites]) if mvn_sites else set()),
     )
     del d
     return spec, ""
@@ -402,9 +405,10 @@ class NewtonState(NamedTuple):
     Hmod: jax.Array
 
 
-def _newton_step(state: NewtonState, gamma, sc, he, damping, max_step, eig_floor, theta):
+def _newton_step(state: NewtonState, gamma, sc, he, damping, max_step, eig_floor, theta,
+                 gamma_h=None):
     g = state.g + gamma * (sc - state.g)
-    H = state.H + gamma * (he - state.H)
+    H = state.H + (gamma if gamma_h is None else gamma_h) * (he - state.H)
     lam, V = jnp.linalg.eigh(-(H + H.T) / 2.0)
     lam = jnp.abs(lam)
     lam = jnp.maximum(lam, jnp.maximum(eig_floor * jnp.max(lam), 1e-12))
@@ -527,6 +531,10 @@ class UserMStep:
         return theta_new, s
 
 
+#: the interweaving cycle averages its Hessian over at least this many M-steps
+NC_HESSIAN_MEMORY = 4
+
+
 class GaussianAux(NamedTuple):
     """Data-dependent constants of :class:`GaussianMStep` (computed in the program)."""
 
@@ -575,14 +583,19 @@ class GaussianMStep:
 
         self.newton_idx_u = u_idx(newton_params)
         # interweaving (non-centred SA-Newton cycle) on the locations and scales of the
-        # diagonal sites and on the Newton parameters
-        self.interweave = bool(interweave and spec.diag_sites)
+        # Gaussian sites and on the Newton parameters
+        self.interweave = bool(interweave and (spec.diag_sites or spec.mvn_sites))
         if self.interweave:
-            nc = np.concatenate([spec.newton_idx, spec.diag_loc_idx, spec.scale_lat_idx])
+            nc = np.concatenate([spec.newton_idx, spec.diag_loc_idx, spec.scale_lat_idx,
+                                 spec.mvn_par_idx])
             self.nc_idx_u = u_idx(np.unique(coord_param[nc.astype(int)]))
             lab = info._unravel_z(jnp.arange(info.dim_z, dtype=jnp.float32))
-            self.diag_pos = np.concatenate(
-                [np.asarray(lab[n]).reshape(-1) for n in spec.diag_sites]).astype(int)
+            self.diag_pos = (np.concatenate([np.asarray(lab[n]).reshape(-1)
+                                             for n in spec.diag_sites]).astype(int)
+                             if spec.diag_sites else np.zeros(0, int))
+            self.mvn_pos = tuple(np.asarray(lab[n]).reshape(-1, q).astype(int)
+                                 for (n, _, _), q in zip(spec.mvn_sites, spec.mvn_q,
+                                                         strict=True))
         self.cnt_lat = np.bincount(spec.lat_g, minlength=d).astype(np.float64)
         self.is_lat_scale = np.zeros(d, bool)
         self.is_lat_scale[spec.scale_lat_idx] = True
@@ -758,24 +771,44 @@ class GaussianMStep:
         return ravel_pytree(tc)[0]
 
     def _nc_path(self, t_u, ref_u, zf, aux: GaussianAux):
-        """The latents along the non-centred path through ``zf`` at ``ref_u``: the diagonal
-        sites' standardised values :math:`\\eta = (z - \\mu(\\theta_{ref}))/\\omega(\\theta_{ref})`
-        held fixed, :math:`z(t) = \\mu(t) + \\omega(t)\\eta`, every other coordinate held
-        fixed (no centring shift: this is the model's parametrisation with the diagonal sites
-        non-centred); and :math:`\\sum\\log\\omega(t)`, the log-Jacobian of
-        :math:`\\eta \\mapsto z(t)` (up to a constant)."""
+        """The latents along the non-centred path through ``zf`` at ``ref_u``: the Gaussian
+        sites' standardised values held fixed -- :math:`\\eta = (z - \\mu(\\theta_{ref})) /
+        \\omega(\\theta_{ref})` of a diagonal site, :math:`\\eta = L(\\theta_{ref})^{-1}(z -
+        \\mu(\\theta_{ref}))` of a MultivariateNormal one (:math:`\\Omega = LL^\\top`) --
+        and :math:`z(t) = \\mu(t) + \\omega(t)\\eta` (or :math:`\\mu(t) + L(t)\\eta`), every other
+        coordinate held fixed (no centring shift: the model's parametrisation with its Gaussian
+        sites non-centred); and the log-Jacobian of :math:`\\eta \\mapsto z(t)` (up to a
+        constant)."""
         spec = self.spec
-        li, g = jnp.asarray(spec.loc_idx), jnp.asarray(spec.lat_g)
-        pos = jnp.asarray(self.diag_pos)
+        li = jnp.asarray(spec.loc_idx)
+        p = spec.loc_idx.size
+        tc0, tc1 = self.info.theta_c_flat(ref_u), self.info.theta_c_flat(t_u)
+        z2, lj = zf, jnp.zeros((), zf.dtype)
+        if spec.diag_sites:
+            g = jnp.asarray(spec.lat_g)
+            pos = jnp.asarray(self.diag_pos)
 
-        def loc_scale(tcf):
-            loc = aux.A @ tcf[li] + aux.c if spec.loc_idx.size else aux.c
-            return loc, aux.lat_r * tcf[g]
+            def loc_scale(tcf):
+                loc = aux.A @ tcf[li] + aux.c if p else aux.c
+                return loc, aux.lat_r * tcf[g]
 
-        l0, s0 = loc_scale(self.info.theta_c_flat(ref_u))
-        l1, s1 = loc_scale(self.info.theta_c_flat(t_u))
-        z2 = zf.at[pos].set(l1 + s1 * ((zf[pos] - l0) / s0))
-        return z2, jnp.sum(jnp.log(s1))
+            l0, s0 = loc_scale(tc0)
+            l1, s1 = loc_scale(tc1)
+            z2 = z2.at[pos].set(l1 + s1 * ((zf[pos] - l0) / s0))
+            lj = lj + jnp.sum(jnp.log(s1))
+        for k, pos in enumerate(self.mvn_pos):
+            pos = jnp.asarray(pos)
+            A, c = aux.mvn_A[k], aux.mvn_c[k]
+
+            def mean(tcf, A=A, c=c):
+                return jnp.einsum("rqp,p->rq", A, tcf[li]) + c if p else c
+
+            L0 = jnp.linalg.cholesky(self._mvn_cov(tc0, k))
+            L1 = jnp.linalg.cholesky(self._mvn_cov(tc1, k))
+            eta = jax.scipy.linalg.solve_triangular(L0, (zf[pos] - mean(tc0)).T, lower=True)
+            z2 = z2.at[pos].set(mean(tc1) + (L1 @ eta).T)
+            lj = lj + pos.shape[0] * jnp.sum(jnp.log(jnp.diagonal(L1)))
+        return z2, lj
 
     def transport(self, state: GaussianState, zf, theta_old, theta_new, aux: GaussianAux):
         """Where a chain at ``zf`` (a draw at ``theta_old``) goes after the update: by the
@@ -835,13 +868,24 @@ class GaussianMStep:
             idx = jnp.asarray(self.nc_idx_u)
             z2 = jax.vmap(lambda zf: zf - aux.M @ (theta2 - theta_u))(z)
             sc, he = self._nc_score_hess(theta2, z2, data, aux, state.count)
+            # with MultivariateNormal sites, the Hessian (the metric of the step, not its
+            # fixed point) is averaged over at least NC_HESSIAN_MEMORY updates even while
+            # gamma = 1: a full step with one draw's Hessian in the Cholesky coordinates can
+            # jump and collapse a variance (measured: Orthodont with correlated intercept and
+            # slope diverged on every seed; with the memory, -2LL within 0.4 of the maximum).
+            # Diagonal sites alone keep the current Hessian (a stale one slows the way back
+            # from a small variance: Orthodont 2/4 seeds within the targets instead of 3/4)
+            mem = NC_HESSIAN_MEMORY if self.spec.mvn_sites else 1
+            gamma_h = jnp.where(state.count == 0, 1.0,
+                                jnp.minimum(gamma, 1.0 / mem)).astype(gamma.dtype)
             theta_new, nc = _block_newton(info, nc, idx, gamma, theta_u, theta2, sc, he, self,
-                                          self.nc_annealed, anneal, full=False)
+                                          self.nc_annealed, anneal, full=False,
+                                          gamma_h=gamma_h)
         return theta_new, GaussianState(s, nw, nc, theta2, state.count + 1)
 
 
 def _block_newton(info, nw: NewtonState, idx, gamma, theta_old, theta_u, sc, he, opts, mask,
-                  anneal, full: bool):
+                  anneal, full: bool, gamma_h=None):
     """One SA-Newton cycle on the coordinates ``idx`` of the state ``nw`` (a full ``(d,)``
     state for the centred cycle, a ``(len(idx),)`` one for the interweaving cycle): transport
     the surrogate from ``theta_old`` to ``theta_u`` (earlier cycles moved theta), SA update
@@ -850,7 +894,7 @@ def _block_newton(info, nw: NewtonState, idx, gamma, theta_old, theta_u, sc, he,
     sub = (NewtonState(nw.g[idx], nw.H[idx][:, idx], nw.Hmod[idx][:, idx]) if full else nw)
     sub = sub._replace(g=sub.g + sub.Hmod @ (theta_u - theta_old)[idx])
     step, sub = _newton_step(sub, gamma, sc, he, opts.damping, opts.max_step, opts.eig_floor,
-                             theta_u[idx])
+                             theta_u[idx], gamma_h)
     cand = _anneal_flat(info, theta_old, theta_u.at[idx].add(step), mask, anneal, opts.tau)
     sub = sub._replace(g=sub.g + sub.Hmod @ (cand - theta_u)[idx])
     if full:
