@@ -738,11 +738,7 @@ class GaussianMStep:
                 Sig = (Sig + Sig.T) / 2.0
                 q = Sig.shape[0]
                 Sig = Sig + 1e-12 * jnp.trace(Sig) / q * jnp.eye(q, dtype=Sig.dtype)
-                old_d = jnp.diagonal(self._mvn_cov(t_old, k))
-                new_d = jnp.diagonal(Sig)
-                f = jnp.where(anneal, jnp.sqrt(jnp.maximum(new_d, self.tau * old_d) / new_d),
-                              1.0)
-                Sig = Sig * f[:, None] * f[None, :]
+                Sig = self._anneal_cov(Sig, self._mvn_cov(t_old, k), anneal)
                 new_par.append(Sig)
                 t = self._set_mvn(t, k, Sig)
             mvn_par = new_par
@@ -752,6 +748,13 @@ class GaussianMStep:
             sd = jnp.where(anneal, jnp.maximum(sd, jnp.sqrt(self.tau) * t_old), sd)
             t = jnp.where(self.is_obs_scale, sd, t)
         return t
+
+    def _anneal_cov(self, Sig, Sig_old, anneal):
+        """Simulated annealing of a full covariance: while ``anneal`` holds, each variance
+        decreases at most by the factor ``tau`` (the correlations kept)."""
+        old_d, new_d = jnp.diagonal(Sig_old), jnp.diagonal(Sig)
+        f = jnp.where(anneal, jnp.sqrt(jnp.maximum(new_d, self.tau * old_d) / new_d), 1.0)
+        return Sig * f[:, None] * f[None, :]
 
     def _mvn_cov(self, t, k):
         n, rule, names = self.spec.mvn_sites[k]
@@ -864,6 +867,7 @@ class GaussianMStep:
                 info, nw, idx, gamma, theta_u, theta_new, sc[idx], he[idx][:, idx], self,
                 self.newton_annealed, anneal, full=True)
         theta2 = theta_new
+        count = state.count + 1
         if self.interweave:
             idx = jnp.asarray(self.nc_idx_u)
             z2 = jax.vmap(lambda zf: zf - aux.M @ (theta2 - theta_u))(z)
@@ -881,7 +885,15 @@ class GaussianMStep:
             theta_new, nc = _block_newton(info, nc, idx, gamma, theta_u, theta2, sc, he, self,
                                           self.nc_annealed, anneal, full=False,
                                           gamma_h=gamma_h)
-        return theta_new, GaussianState(s, nw, nc, theta2, state.count + 1)
+            if self.spec.mvn_sites:
+                # with MultivariateNormal sites the cycle waits for the end of the annealing
+                # (annealing each variance of the step instead -- at most a factor tau per
+                # iteration -- measured worse: Orthodont with correlated REs, -2LL gaps up to
+                # 0.70 instead of 0.38)
+                theta_new = jnp.where(anneal, theta2, theta_new)
+                nc = jax.tree.map(lambda a, b: jnp.where(anneal, a, b), state.nc, nc)
+                count = jnp.where(anneal, state.count, count)
+        return theta_new, GaussianState(s, nw, nc, theta2, count)
 
 
 def _block_newton(info, nw: NewtonState, idx, gamma, theta_old, theta_u, sc, he, opts, mask,
