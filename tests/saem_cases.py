@@ -368,6 +368,25 @@ def _case_dyestuff() -> Case:
     )
 
 
+def _orthodont_parts(age, female, dist_):
+    """The parts shared by the two Orthodont cases: the complete-data log-likelihood of the
+    observations given (intercept, slope) ``b`` (n, 2), and the closed-form marginal
+    log-likelihood for a random-effect covariance ``Sigma``."""
+    n, T = age.shape
+
+    def obs_ll(th, b):
+        mean = b[:, :1] + b[:, 1:] * _j(age)
+        return jnp.sum(norm.logpdf(_j(dist_), mean, th["sigma"]), 1)
+
+    def marginal(th, Sigma):
+        A = _j(age)
+        Z = jnp.stack([jnp.ones((n, T)), A], -1)
+        m = (th["beta0"] + th["beta_sex"] * _j(female))[:, None] + th["beta_age"] * A
+        return _gauss_marginal(_j(dist_), m, Z, Sigma, th["sigma"] ** 2)
+
+    return obs_ll, marginal
+
+
 # -- 4. Orthodont: random intercept + slope (diagonal), covariate Sex, padded -----------
 def orthodont_model(age, female, distance=None):
     """Orthodontic distance (mm) at ages 8..14; per-subject intercept ~ N(beta0 + beta_sex
@@ -393,17 +412,15 @@ def _case_orthodont() -> Case:
     dist_ = _f32(df["distance"]).reshape(n, T)
     female = _f32((df["Sex"] == "Female").to_numpy().reshape(n, T)[:, 0])
 
+    obs_ll, marginal = _orthodont_parts(age, female, dist_)
+
     def log_joint(th, b):
         lp = (norm.logpdf(b[:, 0], th["beta0"] + th["beta_sex"] * _j(female), th["omega"][0])
               + norm.logpdf(b[:, 1], th["beta_age"], th["omega"][1]))
-        mean = b[:, :1] + b[:, 1:] * _j(age)
-        return lp + jnp.sum(norm.logpdf(_j(dist_), mean, th["sigma"]), 1)
+        return lp + obs_ll(th, b)
 
     def closed_form(th):
-        A = _j(age)
-        Z = jnp.stack([jnp.ones((n, T)), A], -1)
-        m = (th["beta0"] + th["beta_sex"] * _j(female))[:, None] + th["beta_age"] * A
-        return _gauss_marginal(_j(dist_), m, Z, jnp.diag(th["omega"] ** 2), th["sigma"] ** 2)
+        return marginal(th, jnp.diag(th["omega"] ** 2))
 
     q = _quantities(("beta0", "beta_age", "beta_sex"), ("omega", "sigma"))
     ex = {"beta0": 0.0, "beta_age": 0.0, "beta_sex": 0.0, "omega": jnp.ones(2), "sigma": 1.0}
@@ -445,18 +462,15 @@ def _case_orthodont_full() -> Case:
     age, female, dist_ = (base.data[k] for k in ("age", "female", "distance"))
     n, T = age.shape
 
+    obs_ll, marginal = _orthodont_parts(age, female, dist_)
+
     def log_joint(th, b):
         loc = jnp.stack([th["beta0"] + th["beta_sex"] * _j(female),
                          jnp.full(n, th["beta_age"])], -1)
-        lp = _mvn_logpdf_chol(b, loc, th["L"])
-        mean = b[:, :1] + b[:, 1:] * _j(age)
-        return lp + jnp.sum(norm.logpdf(_j(dist_), mean, th["sigma"]), 1)
+        return _mvn_logpdf_chol(b, loc, th["L"]) + obs_ll(th, b)
 
     def closed_form(th):
-        A = _j(age)
-        Z = jnp.stack([jnp.ones((n, T)), A], -1)
-        m = (th["beta0"] + th["beta_sex"] * _j(female))[:, None] + th["beta_age"] * A
-        return _gauss_marginal(_j(dist_), m, Z, th["L"] @ th["L"].T, th["sigma"] ** 2)
+        return marginal(th, th["L"] @ th["L"].T)
 
     def extra(th, out):
         S = th["L"] @ th["L"].T
@@ -472,10 +486,7 @@ def _case_orthodont_full() -> Case:
         covers=("LMM", "full Omega (lower_cholesky)", "categorical covariate in the MVN mean",
                 "padded format", "uncentred covariate (strong intercept-slope correlation)"),
         layout="padded", n_subjects=n, n_obs=n * T, n_re=2, subject_plate="subject",
-        log_joint=log_joint,
-        re_init=lambda th: jnp.stack([th["beta0"] + th["beta_sex"] * _j(female),
-                                      jnp.full(n, th["beta_age"])], -1),
-        latents=lambda b: {"b": b}, quantities=q,
+        log_joint=log_joint, re_init=base.re_init, latents=lambda b: {"b": b}, quantities=q,
         kinds=_kinds(q, ex, cov=("Sigma[1,0]",)), closed_form=closed_form, num_nodes=15,
         cov_pairs={"Sigma[1,0]": ("Sigma[0,0]", "Sigma[1,1]")},
     )
