@@ -177,7 +177,7 @@ class SAEM:
     per-subject MALA with step sizes and preconditioners adapted during the exploration phase
     plus 2 independence proposals from :math:`p(z\\mid\\theta)` per iteration (saemix's
     kernels), ``max(2, ceil(50 / subjects))`` chains, saemix's schedule (300 exploration iterations
-    with simulated annealing of the variances, then 200 at :math:`\\gamma_k = 1/k`), the
+    with simulated annealing of the variances, then 200 at :math:`\\gamma_k = k^{-2/3}`), the
     closed-form Gaussian M-step where it applies (SA-Newton elsewhere), and a convergence
     check at the end.
 

