@@ -850,10 +850,10 @@ class GaussianMStep:
         """One M-step (an AECM iteration, Meng & van Dyk 1997): the SA statistics and the
         closed-form cycle (centred); the SA-Newton cycle of the Newton parameters (centred);
         then, when interweaving, an SA-Newton cycle on the non-centred path (the Newton
-        parameters and the locations and scales of the diagonal sites; Yu & Meng 2011's
-        interweaving of the centred and non-centred augmentations, which converges fast where
-        the centred one is slow: a variance small against what the data say of each
-        subject)."""
+        parameters and the locations and scales or covariances of the Gaussian sites; Yu &
+        Meng 2011's interweaving of the centred and non-centred augmentations, which
+        converges fast where the centred one is slow: a variance small against what the data
+        say of each subject)."""
         info = self.info
         s_new = self._mean_stats(theta_u, z, data)
         s = jax.tree.map(lambda a, b: a + gamma * (b - a), state.s, s_new)
@@ -901,8 +901,8 @@ def _block_newton(info, nw: NewtonState, idx, gamma, theta_old, theta_u, sc, he,
     """One SA-Newton cycle on the coordinates ``idx`` of the state ``nw`` (a full ``(d,)``
     state for the centred cycle, a ``(len(idx),)`` one for the interweaving cycle): transport
     the surrogate from ``theta_old`` to ``theta_u`` (earlier cycles moved theta), SA update
-    with the new score and Hessian, step, anneal (relative to ``theta_old``), transport to
-    the new point."""
+    with the new score and Hessian (the Hessian with the step ``gamma_h``, default
+    ``gamma``), step, anneal (relative to ``theta_old``), transport to the new point."""
     sub = (NewtonState(nw.g[idx], nw.H[idx][:, idx], nw.Hmod[idx][:, idx]) if full else nw)
     sub = sub._replace(g=sub.g + sub.Hmod @ (theta_u - theta_old)[idx])
     step, sub = _newton_step(sub, gamma, sc, he, opts.damping, opts.max_step, opts.eig_floor,
