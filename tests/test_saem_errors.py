@@ -16,6 +16,8 @@ or the argument, and the fix:
    size -- a NumPyro kernel's, not SAEM's `step_size` -- and, when the M-step has moved a param
    where the model's log-density is not finite, names that site. (A diverging built-in ULA
    with a fixed `step_size` is covered by ``test_saem.py::test_schedule_and_errors``.)
+6. a masked latent site (``ValueError``: mask the observations, drop padded subjects); and a
+   subject mask on an observed site with an event dim, which must fit, not crash.
 """
 
 import jax.numpy as jnp
@@ -277,3 +279,50 @@ def test_divergence_in_the_mstep_blames_the_mstep():
     with pytest.raises(DivergenceError, match=r"M-step gave a non-finite theta at iteration 0"
                                               r".*SufficientStatistics maximizer"):
         _saem(hier, mstep=SufficientStatistics(stats, bad_max)).run(random.key(0), y=y)
+
+
+# ----------------------------------------------------------------------------- masks
+def _padded_subjects(mask_latent: bool):
+    """20 subjects x 5 observations, random intercepts; the last 4 subjects are padding,
+    masked with ``numpyro.handlers.mask`` over the subject plate (a (20,) mask on a site
+    whose event dim is the 5 observations)."""
+    rng = np.random.default_rng(0)
+    b = rng.normal(0.0, 1.0, 20)
+    y = (3.0 + b[:, None] + rng.normal(0.0, 0.5, (20, 5))).astype(np.float32)
+    valid = np.ones(20, bool)
+    valid[-4:] = False
+
+    def model(y, valid):
+        mu = numpyro.param("mu", 0.0)
+        om = numpyro.param("om", 1.0, constraint=constraints.positive)
+        s = numpyro.param("s", 1.0, constraint=constraints.positive)
+        with numpyro.plate("subject", y.shape[0]):
+            with numpyro.handlers.mask(mask=valid if mask_latent else True):
+                bb = numpyro.sample("b", dist.Normal(mu, om))
+            with numpyro.handlers.mask(mask=valid):
+                loc = jnp.broadcast_to(bb[:, None], y.shape)
+                numpyro.sample("y", dist.Normal(loc, s).to_event(1), obs=y)
+
+    return model, y, valid
+
+
+def test_masked_latent_site_is_refused():
+    """A masked random effect has no density: its draws wander off and the variance estimate
+    with them (measured before this check: omega = 2e15, silently). Refused, naming the site
+    and the fix."""
+    model, y, valid = _padded_subjects(mask_latent=True)
+    with pytest.raises(ValueError, match=r"latent site 'b' is masked.*Mask only the observed"):
+        _saem(model).run(random.key(0), y, valid)
+
+
+def test_subject_mask_on_an_event_site_matches_dropping_the_subjects():
+    """A (subjects,) mask on an observed site with an event dim (one row of observations per
+    subject) crashed with a broadcast error; it now fits, and the padded subjects (prior-only
+    random effects) leave the maximum where dropping them puts it. Same seed, default
+    settings: measured differences 0.2% (mu), 1.5% (omega), 0.1% (sigma); 5% allows for the
+    Monte Carlo error of each fit's final average (~1-2% on omega over seeds)."""
+    model, y, valid = _padded_subjects(mask_latent=False)
+    padded = SAEM(model, fisher=False).run(random.key(0), y, valid).params
+    dropped = SAEM(model, fisher=False).run(random.key(0), y[:16], valid[:16]).params
+    for k in ("mu", "om", "s"):
+        assert abs(float(padded[k]) / float(dropped[k]) - 1.0) < 0.05, (k, padded, dropped)

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro.distributions as dist
 from jax import random
 from jax.flatten_util import ravel_pytree
 from numpyro.distributions import constraints
@@ -143,6 +144,15 @@ class ModelInfo:
                     f"'{n}' out of the model by hand (sum the likelihood over its values, e.g. "
                     "a mixture likelihood with dist.MixtureSameFamily / dist.MixtureGeneral), "
                     "or make it observed (`obs=`)."
+                )
+            if _has_false_mask(s["fn"]):
+                raise ValueError(
+                    f"SAEM: latent site '{n}' is masked (`numpyro.handlers.mask` or "
+                    "`.mask(...)` with False entries). A masked latent element has no density: "
+                    "its draws wander off and every statistic that uses them (a variance, a "
+                    "mean) is undefined. Mask only the observed sites (padding of unequal "
+                    "numbers of observations per subject), and drop padded subjects from the "
+                    "data instead of masking their random effects."
                 )
         for n, s in observed.items():
             _check_observed(n, s)
@@ -389,6 +399,21 @@ def _plate_mismatch_message(err: BaseException) -> str | None:
     )
 
 
+def _has_false_mask(fn) -> bool:
+    """Whether a (wrapped) distribution carries a mask with a False entry."""
+    d = fn
+    while True:
+        if isinstance(d, dist.MaskedDistribution):
+            m = d._mask
+            if (m is False) or (not isinstance(m, bool) and not bool(np.all(np.asarray(m)))):
+                return True
+            d = d.base_dist
+        elif isinstance(d, dist.Independent | dist.ExpandedDistribution):
+            d = d.base_dist
+        else:
+            return False
+
+
 def _check_observed(name, site) -> None:
     value = site["value"]
     fn = site["fn"]
@@ -417,7 +442,9 @@ def _check_observed(name, site) -> None:
         mask = getattr(fn, "_mask", None)
         bad = ~np.isfinite(v)
         if mask is not None and not isinstance(mask, bool):
-            bad = bad & np.broadcast_to(np.asarray(mask), bad.shape)
+            # the mask is over the batch dims: align it with the value's event dims
+            m = np.broadcast_to(np.asarray(mask), tuple(fn.batch_shape))
+            bad = bad & np.broadcast_to(m.reshape(m.shape + (1,) * fn.event_dim), bad.shape)
         if np.any(bad):
             idx = np.argwhere(bad)
             where = ", ".join(str(tuple(int(i) for i in b)) for b in idx[:5])

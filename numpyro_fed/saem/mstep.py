@@ -66,12 +66,18 @@ class SufficientStatistics:
 
 # ------------------------------------------------------------------------------ helpers
 def _unwrap(fn):
-    """``(base, mask)``: the base distribution under Masked/Independent/Expanded wrappers."""
+    """``(base, mask)``: the base distribution under Masked/Independent/Expanded wrappers;
+    the mask (``None``: none) over the value's shape (a mask over a wrapper's batch dims is
+    given trailing singleton dims for that wrapper's event dims)."""
     mask = None
     d = fn
     while True:
         if isinstance(d, dist.MaskedDistribution):
             m = d._mask
+            if isinstance(m, bool) or np.ndim(m) == 0:
+                m = jnp.full(tuple(d.batch_shape), m, bool)
+            m = jnp.broadcast_to(m, tuple(d.batch_shape))
+            m = m.reshape(m.shape + (1,) * d.event_dim)
             mask = m if mask is None else jnp.logical_and(mask, m)
             d = d.base_dist
         elif isinstance(d, dist.Independent | dist.ExpandedDistribution):
