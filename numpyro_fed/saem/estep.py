@@ -357,14 +357,10 @@ class LangevinEStep:
 
         return lax.fori_loop(0, self.n_prior, body, z)
 
-    def shift(self, state: LangevinEStepState, dz) -> LangevinEStepState:
-        """Move every chain and the tracked modes by ``-dz`` (flat; SAEM's centred
-        coordinates, see :func:`~numpyro_fed.saem.model.centring_design`)."""
-        return state._replace(z=state.z - dz, mean=state.mean - dz)
-
     def move(self, state: LangevinEStepState, fn: Callable) -> LangevinEStepState:
         """Move every chain and the tracked modes by ``fn`` (flat ``(d_z,) -> (d_z,)``, an
-        affine map per coordinate: the M-step's transport of the chains)."""
+        affine map per coordinate: SAEM's centring shift :math:`z - M\\Delta\\theta`, see
+        :func:`~numpyro_fed.saem.model.centring_design`, or the M-step's transport)."""
         return state._replace(z=jax.vmap(fn)(state.z), mean=fn(state.mean))
 
     def step_size_summary(self, state: LangevinEStepState) -> str:
@@ -423,12 +419,8 @@ class NumPyroEStep:
                 "arguments (the kernel takes the per-row data from its ClientPartition)."
             )
 
-    def shift(self, state, dz):
-        """No centring for user kernels (their state is theirs): unchanged."""
-        return state
-
     def move(self, state, fn):
-        """Unchanged (as :meth:`shift`)."""
+        """No centring or transport for user kernels (their state is theirs): unchanged."""
         return state
 
     def step_size_summary(self, state: Any = None) -> str:

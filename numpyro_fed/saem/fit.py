@@ -137,10 +137,12 @@ def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None):
             # the centred coordinates (z - M dtheta; see centring_design)
             transport = getattr(mstep, "transport", None)
             if transport is None:
-                out = out._replace(estate=estep.shift(out.estate, M @ (out.theta - theta)))
+                def move(zf):
+                    return zf - M @ (out.theta - theta)
             else:
-                out = out._replace(estate=estep.move(out.estate, lambda zf: transport(
-                    out.mstate, zf, theta, out.theta, aux)))
+                def move(zf):
+                    return transport(out.mstate, zf, theta, out.theta, aux)
+            out = out._replace(estate=estep.move(out.estate, move))
             flag = ~already & ~ok
             return out._replace(
                 rng_key=key, bad_iter=jnp.where(flag, state.k, state.bad_iter),
