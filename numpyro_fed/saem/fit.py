@@ -734,11 +734,9 @@ class SAEM:
 
 
 def _site_finite(info: ModelInfo, theta_c, zf, args, kwargs):
-    from numpyro.infer.util import compute_log_probs
-
     zc, _ = info.constrain_z(zf)
-    lps, _ = compute_log_probs(info.model, args, kwargs, {**theta_c, **zc})
-    return jnp.stack([jnp.isfinite(v) for v in lps.values()])
+    lps = info.site_log_probs({**theta_c, **zc}, args, kwargs)
+    return jnp.stack([jnp.isfinite(jnp.sum(v)) for v in lps.values()])
 
 
 def _format_theta(info: ModelInfo, theta_u) -> str:

@@ -23,6 +23,7 @@ import numpyro.distributions as dist
 from jax import random
 from jax.flatten_util import ravel_pytree
 from numpyro.distributions import constraints
+from numpyro.distributions import distribution as dist_base
 from numpyro.distributions.distribution import validation_enabled
 from numpyro.distributions.transforms import IndependentTransform, biject_to
 from numpyro.handlers import seed, substitute, trace
@@ -195,6 +196,7 @@ class ModelInfo:
             [0] + [int(np.size(theta0_u[n])) for n in self.param_names]
         )
         self.dim_theta_c = int(self.param_offsets[-1])
+        self._staged: dict = {}
 
     # -- theta ------------------------------------------------------------------------------
     def constrain_theta(self, theta_u_flat) -> dict:
@@ -250,9 +252,42 @@ class ModelInfo:
         return ravel_pytree(u)[0]
 
     # -- densities --------------------------------------------------------------------------
+    def site_log_probs(self, values: dict, args, kwargs) -> dict:
+        """Elementwise log-density of every sample site at ``values`` (params and latents,
+        constrained), as NumPyro's ``compute_log_probs(..., sum_log_prob=False)``.
+
+        Inside a trace (the compiled programs) the model is staged once per data structure
+        by a nested :func:`jax.jit`: every further use -- under ``grad``, ``jacfwd``,
+        ``vmap`` -- reuses that jaxpr (and JAX's caches of its transforms) instead of running
+        the model's Python again. The SAEM loop uses the density a dozen times (E-step
+        gradients, the M-step's scores and Hessians): staging cuts its tracing time. Called
+        on concrete values, the model runs eagerly as before (a model may use its data on the
+        host).
+        """
+        arrays, static = split_data(args, kwargs)
+        leaves = jax.tree.leaves((values, arrays))
+        if any(isinstance(v, jax.core.Tracer) for v in leaves):
+            try:
+                key = (static, bool(dist_base._VALIDATION_ENABLED))
+                hash(key)
+            except TypeError:
+                key = None
+            if key is not None:
+                fn = self._staged.get(key)
+                if fn is None:
+                    model = self.model
+
+                    def lps_of(vals, arrs):
+                        a, k = merge_data(arrs, static)
+                        return compute_log_probs(model, a, k, vals, sum_log_prob=False)[0]
+
+                    fn = self._staged[key] = jax.jit(lps_of)
+                return fn(values, arrays)
+        return compute_log_probs(self.model, args, kwargs, values, sum_log_prob=False)[0]
+
     def log_joint_c(self, theta_c, z_c, args, kwargs):
-        lps, _ = compute_log_probs(self.model, args, kwargs, {**theta_c, **z_c})
-        return sum(lps.values())
+        lps = self.site_log_probs({**theta_c, **z_c}, args, kwargs)
+        return sum(jnp.sum(v) for v in lps.values())
 
     def log_joint(self, theta_u_flat, z_u_flat, args, kwargs):
         """:math:`\\log p(y, z\\mid\\theta) + \\log|J(z)|` on flat unconstrained vectors."""
@@ -511,8 +546,7 @@ def joint_layout(info: ModelInfo) -> SubjectLayout:
 
 def _elementwise_lps(info, theta_c, z_u_flat, args, kwargs):
     zc, _ = info.constrain_z(z_u_flat)
-    lps, _ = compute_log_probs(info.model, args, kwargs, {**theta_c, **zc}, sum_log_prob=False)
-    return lps
+    return info.site_log_probs({**theta_c, **zc}, args, kwargs)
 
 
 def subject_layout(info: ModelInfo, name: str | None, args, kwargs, key,
@@ -694,7 +728,7 @@ def log_joint_per_subject(info: ModelInfo, layout: SubjectLayout, theta_c, z_u_f
     """
     zu_d = info._unravel_z(z_u_flat)
     zc = {nm: info.latent_transforms[nm](v) for nm, v in zu_d.items()}
-    lps, _ = compute_log_probs(info.model, args, kwargs, {**theta_c, **zc}, sum_log_prob=False)
+    lps = info.site_log_probs({**theta_c, **zc}, args, kwargs)
     names = info.observed_names if observed_only else info.latent_names + info.observed_names
     dt = z_u_flat.dtype
     if layout.plate is None:

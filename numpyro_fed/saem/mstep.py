@@ -42,7 +42,6 @@ import numpyro.distributions as dist
 from jax import lax, random
 from jax.flatten_util import ravel_pytree
 from numpyro.distributions import constraints
-from numpyro.infer.util import compute_log_probs
 
 from numpyro_fed.saem.model import ModelInfo, jit_once
 
@@ -206,8 +205,8 @@ def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | 
 
     def site_lps(tcf, zf):
         zc, _ = info.constrain_z(zf)
-        lps, _ = compute_log_probs(info.model, args, kwargs, {**unravel_c(tcf), **zc})
-        return lps
+        lps = info.site_log_probs({**unravel_c(tcf), **zc}, args, kwargs)
+        return {n: jnp.sum(v) for n, v in lps.items()}
 
     def probe(P, Z):
         jac_val = jax.jacfwd(lambda t, z: (parts(t, z),) * 2, has_aux=True)
