@@ -599,3 +599,17 @@ def test_error_non_numeric_nonmem_column_and_addl():
     with pytest.raises(ValueError, match=r"additional doses \(column 'ADDL'\) at subject 1, row 0"
                        r" are not supported: write one row per dose"):  # fmt: skip
         PKDataset.from_dataframe(_set(_base(), 0, ADDL=3))
+
+
+@pytest.mark.parametrize(
+    ("col", "match"),
+    [
+        ("ID", r"'ID' \(id=\) is missing at row 1: every row needs a subject ID"),
+        ("TIME", r"'TIME' \(time=\) is missing or infinite at subject 1, row 1"),
+        ("EVID", r"'EVID' \(evid=\) is missing at subject 1, row 1: set it to 0"),
+        ("MDV", r"'MDV' \(mdv=\) must be 0 or 1 on observation rows; it is nan at subject 1"),
+    ],
+)
+def test_error_missing_key_values(col, match):
+    with pytest.raises(ValueError, match=match):
+        PKDataset.from_dataframe(_set(_base(), 1, **{col: NAN}))
