@@ -1,0 +1,190 @@
+"""Tests of numpyro_fed.nlme's model builder (PKModel) and of the diagnostics of its fits
+(NLMEFit), on Phenobarb (multiple IV doses) and Theophylline (oral)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import pandas as pd
+import pytest
+import saem_cases as sc
+from numpyro.infer.util import log_density
+
+from numpyro_fed import nlme
+
+pytestmark = pytest.mark.xdist_group("nlme")
+
+
+# ----------------------------------------------------------------------------- the model
+def test_theophylline_on_the_layer_is_the_hand_written_model():
+    """The PKModel of Theophylline (one compartment, first-order absorption into CMT 1,
+    additive error) has the same log density as models/pk.py's hand-written model at the
+    same parameters and random effects (float32 round-off: 1e-5 relative)."""
+    from models.pk import load_theophylline, theophylline_model
+
+    data = nlme.load_theophylline()
+    pk = nlme.PKModel(nlme.one_compartment(absorption="first_order"),
+                      params={"KA": 1.0, "V": 20.0, "CL": 0.5}, error="additive")
+    old = load_theophylline()
+    rng = np.random.default_rng(0)
+    mu = np.array([0.4, 3.4, -3.2])
+    phi = (mu + 0.3 * rng.normal(size=(12, 3))).astype(np.float32)
+    om, s = np.array([0.6, 0.2, 0.3], np.float32), np.float32(0.7)
+    new_p = {"mu_KA": mu[0], "mu_V": mu[1], "mu_CL": mu[2], "omega_KA": om[0],
+             "omega_V": om[1], "omega_CL": om[2], "a": s, "phi_KA": phi[:, 0],
+             "phi_V": phi[:, 1], "phi_CL": phi[:, 2]}
+    old_p = {"mu_ka": mu[0], "mu_V": mu[1], "mu_CL": mu[2], "omega_ka": om[0],
+             "omega_V": om[1], "omega_CL": om[2], "sigma": s, "phi": phi}
+    lp_new, _ = log_density(pk.model, (), pk.arrays(data), new_p)
+    lp_old, _ = log_density(theophylline_model, (old["dose"], old["time"], old["conc"]), {},
+                            old_p)
+    assert float(lp_new) == pytest.approx(float(lp_old), rel=1e-5)
+
+
+def test_model_sites_and_full_omega():
+    """Param sites (mu_, beta_, omega_ / L_omega, the error's), latent sites in the subject
+    plate, one masked observed site; omega='full' gives one MultivariateNormal site."""
+    data = nlme.load_phenobarb()
+    pk = sc._phenobarb_pk(covariates=True)
+    tr = numpyro.handlers.trace(numpyro.handlers.seed(pk.model, 0)).get_trace(
+        **pk.arrays(data))
+    params = sorted(k for k, v in tr.items() if v["type"] == "param")
+    assert params == ["a", "beta_CL_WT", "beta_V_APGARIND_1", "beta_V_WT", "mu_CL", "mu_V",
+                      "omega_CL", "omega_V"]
+    assert pk.references["WT"] == pytest.approx(float(np.median(data.covariates["WT"])))
+    assert tr["phi_CL"]["value"].shape == (59,)
+    assert tr["dv"]["value"].shape == (59, 6)
+    full = nlme.PKModel(nlme.one_compartment(absorption=None),
+                        params={"CL": 0.01, "V": 1.0}, omega="full")
+    tr = numpyro.handlers.trace(numpyro.handlers.seed(full.model, 0)).get_trace(
+        **full.arrays(data))
+    assert tr["phi"]["value"].shape == (59, 2)
+    assert "L_omega" in tr
+
+
+def test_samples_before_a_dose_at_the_same_time_follow_the_record_order():
+    """A trough recorded before the dose given at the same time does not see that dose
+    (NONMEM's record order), and one recorded after it does: checked against the closed
+    form of a one-compartment IV bolus."""
+    df = pd.DataFrame({
+        "ID": [1, 1, 1, 1, 2, 2, 2],
+        "TIME": [0.0, 12.0, 12.0, 13.0, 0.0, 12.0, 12.0],
+        "AMT": [100.0, 0.0, 100.0, 0.0, 100.0, 100.0, 0.0],
+        "EVID": [1, 0, 1, 0, 1, 1, 0],
+        "DV": [np.nan, 5.0, np.nan, 8.0, np.nan, np.nan, 9.0],
+    })
+    data = nlme.PKDataset.from_dataframe(df)
+    pk = nlme.PKModel(nlme.one_compartment(absorption=None), params={"CL": 1.0, "V": 10.0})
+    a = pk.arrays(data)
+    assert pk.record_order
+    ind = {"CL": jnp.array([1.0, 1.0]), "V": jnp.array([10.0, 10.0])}
+    f = np.asarray(pk.predict(ind, jnp.asarray(a["obs_time"]),
+                              nlme.Doses(*(jnp.asarray(a[k]) for k in (
+                                  "dose_time", "dose_amt", "dose_rate", "dose_cmt", "dose_ss",
+                                  "dose_ii", "dose_mask"))), jnp.asarray(a["doses_before"])))
+    k = 0.1
+    np.testing.assert_allclose(f[0], [10 * np.exp(-12 * k),
+                                      10 * np.exp(-13 * k) + 10 * np.exp(-k)], rtol=1e-5)
+    np.testing.assert_allclose(f[1, 0], 10 * np.exp(-12 * k) + 10, rtol=1e-5)
+
+
+def test_builder_errors_name_the_thing():
+    one = nlme.one_compartment(absorption=None)
+    with pytest.raises(ValueError, match="lacks \\['V'\\]"):
+        nlme.PKModel(one, params={"CL": 0.01})
+    with pytest.raises(ValueError, match="'KA'.*unknown to the structural model"):
+        nlme.PKModel(one, params={"CL": 0.01, "V": 1.0, "KA": 1.0})
+    with pytest.raises(ValueError, match="params\\['CL'\\].value=-1"):
+        nlme.PKModel(one, params={"CL": -1.0, "V": 1.0})
+    with pytest.raises(ValueError, match="transform='exp'"):
+        nlme.PKModel(one, params={"CL": nlme.Param(0.01, transform="exp"), "V": 1.0})
+    with pytest.raises(ValueError, match="covariates\\['WT'\\]='quadratic'"):
+        nlme.PKModel(one, params={"CL": nlme.Param(0.01, covariates={"WT": "quadratic"}),
+                                  "V": 1.0})
+    with pytest.raises(ValueError, match="omega="):
+        nlme.PKModel(one, params={"CL": 0.01, "V": 1.0}, omega="block")
+    with pytest.raises(ValueError, match="random effect"):
+        nlme.PKModel(one, params={"CL": nlme.Param(0.01, random=False),
+                                  "V": nlme.Param(1.0, random=False)})
+    data = nlme.load_phenobarb()
+    pk = nlme.PKModel(one, params={"CL": nlme.Param(0.01, covariates={"AGE": "linear"}),
+                                   "V": 1.0})
+    with pytest.raises(ValueError, match="covariate 'AGE' is not in the data"):
+        pk.arrays(data)
+    pk = nlme.PKModel(one, params={"CL": nlme.Param(0.01, covariates={"APGARIND": "linear"}),
+                                   "V": 1.0})
+    with pytest.raises(ValueError, match="'APGARIND' is categorical"):
+        pk.arrays(data)
+    with pytest.raises(TypeError, match="PKDataset"):
+        pk.arrays({"dv": np.zeros(3)})
+
+
+# ----------------------------------------------------------------------------- a fit
+@pytest.fixture(scope="module")
+def phenobarb_fit():
+    """The covariate model of Phenobarb fitted by SAEM with its defaults (shared)."""
+    data = nlme.load_phenobarb()
+    pk = sc._phenobarb_pk(covariates=True)
+    return pk.fit(data, jax.random.key(0))
+
+
+def test_default_fit_reaches_the_exact_maximum(phenobarb_fit):
+    """Phenobarb with weight and Apgar covariates, fitted with SAEM's defaults through the
+    nlme layer: every quantity within the unseen-model targets of the exact MLE (fixed
+    effects 0.2 SE or 1%, variances 0.3 SE or 10%, -2LL gap <= 0.5)."""
+    cmp = sc.compare(sc.get_case("phenobarb_cov"), phenobarb_fit.params)
+    assert cmp["ok"], sc.format_comparison(cmp)
+
+
+def test_tables_and_individual_estimates(phenobarb_fit):
+    fit = phenobarb_fit
+    tab = fit.parameter_table()
+    for k in ("mu_CL", "beta_V_APGARIND_1", "omega_V", "a", "typical_CL"):
+        assert k in tab.index
+    om = float(fit.params["omega_CL"])
+    assert tab.loc["omega_CL", "cv_%"] == pytest.approx(100 * np.sqrt(np.expm1(om**2)))
+    assert np.all(np.isfinite(tab.loc[["mu_CL", "mu_V", "a"], "se"]))
+    assert tab.loc["mu_CL", "rse_%"] == pytest.approx(
+        100 * tab.loc["mu_CL", "se"] / abs(tab.loc["mu_CL", "estimate"]))
+    ind = fit.individual_estimates()
+    assert len(ind) == 59 and list(ind.index[:3]) == [1, 2, 3]
+    assert np.all(ind["CL_sd"] > 0)
+    # the mode and the conditional mean of each subject are close (sd units)
+    z = np.abs(np.log(ind["CL_mode"]) - np.log(ind["CL_mean"])) / (ind["CL_sd"] / ind["CL_mean"])
+    assert np.median(z) < 0.5
+    shr = fit.shrinkage()
+    assert set(shr) == {"CL", "V"} and all(-50 < v < 100 for v in shr.values())
+
+
+def test_predictions_and_simulation(phenobarb_fit, tmp_path):
+    fit = phenobarb_fit
+    pr = fit.predictions()
+    assert len(pr) == 155 and not pr[["PRED", "IPRED", "IWRES"]].isna().any().any()
+    # IPRED fits better than PRED, and IWRES has unit scale (sd 0.5-1.5 over 155 rows)
+    assert np.mean((pr.DV - pr.IPRED) ** 2) < np.mean((pr.DV - pr.PRED) ** 2)
+    assert 0.5 < pr.IWRES.std() < 1.5
+    # keeping the EBEs, the simulated structural predictions are IPRED
+    sim = fit.simulate(jax.random.key(1), new_subjects=False)
+    m = sim["mask"]
+    np.testing.assert_allclose(sim["f"][0][m], pr.IPRED.to_numpy(), rtol=1e-5)
+    # new subjects: the median of the simulated concentrations is near PRED
+    sim = fit.simulate(jax.random.key(2), num_replicates=400)
+    med = np.median(sim["f"], 0)[m]
+    assert np.median(np.abs(np.log(med / pr.PRED.to_numpy()))) < 0.1
+    nd = fit.npde(jax.random.key(3), num_sims=200)["NPDE"]
+    # under the model NPDE ~ N(0, 1): mean within 4 SE (1/sqrt(155) = 0.08), sd in 0.7-1.3
+    assert abs(nd.mean()) < 0.35 and 0.7 < nd.std() < 1.3
+    vpc = fit.vpc_table(jax.random.key(4), num_sims=100)
+    assert set(vpc["quantile"]) == {0.05, 0.5, 0.95}
+    assert np.mean((vpc.observed >= vpc.sim_lo) & (vpc.observed <= vpc.sim_hi)) > 0.6
+    fit.plot_goodness_of_fit(tmp_path / "gof.png")
+    fit.plot_individual_fits(tmp_path / "ind.png", subjects=range(4))
+    fit.plot_vpc(jax.random.key(5), tmp_path / "vpc.png", num_sims=50,
+                 prediction_corrected=True)
+    for f in ("gof.png", "ind.png", "vpc.png"):
+        assert (tmp_path / f).stat().st_size > 10_000
+    with pytest.raises(ValueError, match="num_sims"):
+        fit.npde(jax.random.key(0), num_sims=10)
+    with pytest.raises(ValueError, match="fitted subjects"):
+        fit.simulate(jax.random.key(0), nlme.load_phenobarb().subjects([0, 1]),
+                     new_subjects=False)
