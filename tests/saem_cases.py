@@ -751,8 +751,10 @@ def _case_phenobarb(covariates: bool = False) -> Case:
     n = int(subj.max()) + 1
     isobs = df["conc"].notna().to_numpy()
     isdose = df["dose"].notna().to_numpy()
-    o_s, o_t, y = subj[isobs], df["time"].to_numpy()[isobs], df["conc"].to_numpy()[isobs]
-    d_s, d_t, amt = subj[isdose], df["time"].to_numpy()[isdose], df["dose"].to_numpy()[isdose]
+    # the data as the model sees them (float32)
+    t32, c32, a32 = (_f32(df[k]).astype(np.float64) for k in ("time", "conc", "dose"))
+    o_s, o_t, y = subj[isobs], t32[isobs], c32[isobs]
+    d_s, d_t, amt = subj[isdose], t32[isdose], a32[isdose]
     # the doses of each sample's subject (at most 15 per subject), padded; dose k reaches
     # sample j when given at or before it
     D = int(np.bincount(d_s).max())
@@ -762,7 +764,7 @@ def _case_phenobarb(covariates: bool = False) -> Case:
     reach = dmask & (d_t[didx] <= o_t[:, None])
     dt = np.where(reach, o_t[:, None] - d_t[didx], 0.0)
     amt = amt[didx]
-    wt = df.groupby("Subject")["Wt"].first().sort_index().to_numpy()
+    wt = _f32(df.groupby("Subject")["Wt"].first().sort_index()).astype(np.float64)
     apgar = (df.groupby("Subject")["ApgarInd"].first().sort_index() == ">= 5").to_numpy()
     wref = float(np.median(wt))
     pk = _phenobarb_pk(covariates)
