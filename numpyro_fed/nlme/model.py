@@ -64,6 +64,10 @@ TRANSFORMS: dict[str, tuple[Callable, Callable]] = {
     "logit": (jax.nn.sigmoid, lambda p: jnp.log(p) - jnp.log1p(-p)),
 }
 COVARIATE_KINDS = ("linear", "power", "categorical")
+#: the inverse transforms on host values (initial values: constants, also under a trace)
+_INVERSE_NP: dict[str, Callable] = {
+    "log": np.log, "none": lambda x: x, "logit": lambda p: np.log(p) - np.log1p(-p),
+}
 
 
 @dataclass
@@ -260,10 +264,9 @@ class PKModel:
         """Transformed typical value of ``name`` per subject (``theta``: estimates; default:
         declares the param sites)."""
         p = self.params[name]
-        inv = TRANSFORMS[p.transform][1]
         get = ((lambda n, v: numpyro.param(n, jnp.asarray(v, jnp.float32)))
                if theta is None else (lambda n, v: jnp.asarray(theta[n])))
-        loc = get(f"mu_{name}", float(inv(jnp.asarray(p.value, jnp.float32))))
+        loc = get(f"mu_{name}", float(_INVERSE_NP[p.transform](float(p.value))))
         for site, x in self._covariate_terms(name, covs):
             loc = loc + get(site, 0.0) * x
         return loc
