@@ -428,6 +428,13 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"index \(1, 1\).*cmt=4"):
         model.check_doses(stack([d, bad]))
     model.check_doses(make_doses([(0.0, 100.0, 0.0, 1)], pad=JUNK))  # padding is ignored
+    # inside jit the same doses cannot raise: the subject's predictions are NaN instead
+    with jax.enable_x64(True):  # (the programs compiled by the tests above)
+        out = predict(model_for(2, "first_order"), params_for(model), [d, bad])
+        assert np.all(np.isfinite(out[0])) and np.all(np.isnan(out[1]))
+        ss_dose = make_doses([(0.0, 100.0, 0.0, 1, True, 12.0)])
+        out = predict(LINEAR_ODE, dict(TRUE, F=1.0), [d, ss_dose])
+        assert np.all(np.isfinite(out[0])) and np.all(np.isnan(out[1]))
     with pytest.raises(ValueError, match="ss=True with ii=0"):
         model.check_doses(make_doses([(0.0, 100.0, 0.0, 1, True, 0.0)]))
     with pytest.raises(ValueError, match="duration amt/rate=10 longer than its interval ii=8"):

@@ -21,7 +21,9 @@ differentiable in ``params`` by :func:`jax.grad`, :func:`jax.jacfwd` and :func:`
   post-dose state; before the first dose the state is zero (and ``rhs`` is not integrated),
   so observations there are ``observe(0)`` (0 by default);
 - steady-state doses are not supported: :meth:`ODEModel.check_doses` raises on ``ss = True``
-  (expand the dosing history, or use a closed-form model).
+  (expand the dosing history, or use a closed-form model); inside ``jit``, such a dose, or
+  one into a compartment the model lacks or with ``rate < 0``, makes the subject's
+  predictions NaN.
 
 **Method.** The dose starts, infusion ends and observation times are merged into one sorted
 grid of static size ``2 D + T`` (padding sorted last and skipped); a :func:`jax.lax.scan` over
@@ -203,7 +205,7 @@ class ODEModel(StructuralModel):
         p, t, d = self._prepare(params, t, doses)
         if d.time.shape[0] == 0:  # no dose column: one padding dose
             d = _DoseArrays(*(jnp.zeros((1,), a.dtype) for a in d))
-        return self._solve_jit(p, t, d)
+        return self._solve_jit(p, t, d) + self._poison(d)
 
     def _solve(self, p: dict[str, jax.Array], t: jax.Array, d: _DoseArrays) -> jax.Array:
         n, dtype = self.n_states, t.dtype

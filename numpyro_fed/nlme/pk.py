@@ -42,7 +42,7 @@ The prediction is ``A_central(t) / V``.
 the central compartment (IV bolus) or a peripheral one; zero-order infusion (``rate > 0``,
 duration ``amt / rate``) into any compartment, the depot included. A dose at time ``t_d``
 affects observations at ``t >= t_d + TLAG`` (an observation at the dose time sees the
-post-dose state; :class:`~numpyro_fed.nlme.model` masks doses recorded after a sample when
+post-dose state; :mod:`numpyro_fed.nlme.model` masks doses recorded after a sample when
 record order matters). Padding doses (``mask = False``) contribute exactly 0, and so do doses
 after ``t``: times before the first dose give 0.
 
@@ -57,24 +57,28 @@ between the record time and ``t_d + TLAG`` the earlier doses of the train are pr
 Not supported (``check_doses`` raises): ``ss`` with ``ii <= 0`` (NONMEM's constant infusion at
 steady state, ``AMT = 0, RATE > 0, II = 0``), ``rate < 0`` (modelled rates/durations).
 
+**Invalid doses inside jit.** What ``check_doses`` checks on the host cannot raise on traced
+values: a real dose into a compartment the model lacks, with ``rate < 0`` or an unsupported
+steady state makes the whole prediction of its subject NaN (never a silently wrong value).
+
 **Method.** Superposition of the unit responses of the linear system, summed over the dose
 axis (no loop over doses). The disposition matrix has real, distinct eigenvalues
 :math:`\lambda_i > 0` (explicit roots: one for 1 compartment, the stable quadratic formula for
-2, the trigonometric cubic solution polished by two Newton steps for 3, the smaller roots by
-deflation). A unit amount put in disposition compartment ``c`` gives a central amount
-:math:`\sum_i C_{ci} e^{-\lambda_i t}` (residues of the transfer function
-:math:`N_c(s)/\prod_i (s+\lambda_i)`). The other routes are divided differences of
-:math:`x \mapsto e^{-x t}` over the nodes :math:`\{\lambda_i, k_a\}` (depot), :math:`\{0,
-\lambda_i\}` (infusion) and :math:`\{0, \lambda_i, k_a\}` (infusion into the depot), e.g. the
-oral response :math:`k_a \sum_i C_{0i} (e^{-\lambda_i t} - e^{-k_a t})/(k_a - \lambda_i)`.
-They are computed by the divided-difference table, each entry whose nodes span less than
-``0.1 / t`` from its Taylor series about the nodes' mean (exact to ~1e-16): no cancellation,
-no NaN or inf when ``KA`` equals an eigenvalue (e.g. ``KA = CL/V``), and smooth derivatives
-there. After the end of an infusion the response is propagated from the state at its end
-(never as the difference of two large terms), so late, small concentrations keep their
-relative accuracy, in float32 too. Steady state sums each term's geometric series in closed
-form (:math:`e^{-\lambda t}/(1 - e^{-\lambda\,ii})`, and the divided-difference identity for
-the depot terms).
+2, for 3 the trigonometric cubic solution refined by one Chebyshev step -- exact first and
+second derivatives -- and the smaller roots by deflation). A unit amount put in disposition
+compartment ``c`` gives a central amount :math:`\sum_i C_{ci} e^{-\lambda_i t}` (residues of
+the transfer function :math:`N_c(s)/\prod_i (s+\lambda_i)`). The other routes are divided
+differences of :math:`y \mapsto e^{-y t}` over the nodes :math:`\{\lambda_i, k_a\}` (depot),
+:math:`\{0, \lambda_i\}` (infusion) and :math:`\{0, \lambda_i, k_a\}` (infusion into the
+depot), e.g. the oral response :math:`k_a \sum_i C_{0i} (e^{-\lambda_i t} - e^{-k_a t}) /
+(k_a - \lambda_i)`, written as :math:`t e^{-\min t} \varphi((\max - \min) t)` with
+:math:`\varphi(z) = (1 - e^{-z})/z` evaluated from its series below 0.05 and from ``expm1``
+above: no cancellation, no NaN or inf when ``KA`` equals an eigenvalue (e.g. ``KA = CL/V``),
+and derivatives of every order exact there. After the end of an infusion the response is
+propagated from the state at its end (never as the difference of two large terms), so late,
+small concentrations keep their relative accuracy, in float32 too. Steady state sums each
+term's geometric series in closed form (:math:`e^{-\lambda t}/(1 - e^{-\lambda\,ii})`, and a
+divided-difference identity for the depot terms).
 
 Example::
 
@@ -245,6 +249,15 @@ class StructuralModel:
             ii=real("ii", dtype),
             mask=mask,
         )
+
+    def _poison(self, d: _DoseArrays) -> jax.Array:
+        """0, or NaN when a real dose is invalid in a way :meth:`check_doses` reports (a
+        compartment the model lacks, ``rate < 0``, an unsupported steady state): inside
+        ``jit`` these values are traced and cannot raise, so the whole prediction of the
+        subject is made NaN rather than silently wrong."""
+        bad = (d.cmt < 1) | (d.cmt > max(self.compartments)) | (d.rate < 0)
+        bad |= (d.ss & ~(d.ii > 0)) if self.supports_steady_state else d.ss
+        return jnp.where(jnp.any(d.mask & bad), jnp.nan, 0.0).astype(d.time.dtype)
 
     # ---------------------------------------------------------------- host-side checks
     def check_doses(self, doses: Any) -> None:
@@ -536,7 +549,7 @@ class CompartmentModel(StructuralModel):
             shapes (at trace time).
         """
         p, t, d = self._prepare(params, t, doses)
-        return self._central_amount(p, t, d) / p["V"]
+        return self._central_amount(p, t, d) / p["V"] + self._poison(d)
 
     def _central_amount(
         self, p: dict[str, jax.Array], t: jax.Array, d: _DoseArrays
