@@ -28,14 +28,18 @@ differentiable in ``params`` by :func:`jax.grad`, :func:`jax.jacfwd` and :func:`
 **Method.** The dose starts, infusion ends and observation times are merged into one sorted
 grid of static size ``2 D + T`` (padding sorted last and skipped); a :func:`jax.lax.scan` over
 it solves the ODE from each grid point to the next with one :func:`diffrax.diffeqsolve`
-(time rescaled to ``[0, 1]``, so a zero-length interval is a no-op), applies the bolus or
+(time rescaled to ``[0, 1]``: a zero-length interval has a zero vector field, and the event
+times -- hence ``TLAG`` and ``F`` -- are differentiable), applies the bolus or
 records ``observe(A, params)`` at observation times. The infusion input over an interval is
 recomputed from the doses (no accumulated round-off). Derivatives go through the solver
 with :class:`diffrax.DirectAdjoint` by default, which supports reverse mode, forward mode and
 forward-over-reverse Hessians (``RecursiveCheckpointAdjoint`` does not support forward mode);
 its cost grows with ``max_steps`` (steps per interval between grid points), so keep that
 modest. A solve that needs more steps raises at run time (diffrax's ``throw=True``).
-The derivatives are those of the numerical solution: accurate to about the solver tolerances.
+The derivatives are those of the numerical solution: accurate to about the solver tolerances
+(an adaptive step sequence has kinks where it changes, ~rtol in size; a fixed-step solve,
+``stepsize_controller=diffrax.ConstantStepSize()`` with ``dt0``, is smooth in the
+parameters, e.g. to check Hessians by finite differences).
 
 Example (one compartment, Michaelis-Menten elimination)::
 
