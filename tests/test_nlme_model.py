@@ -188,3 +188,17 @@ def test_predictions_and_simulation(phenobarb_fit, tmp_path):
     with pytest.raises(ValueError, match="fitted subjects"):
         fit.simulate(jax.random.key(0), nlme.load_phenobarb().subjects([0, 1]),
                      new_subjects=False)
+
+
+def test_predictive_simulates_from_the_built_model():
+    """The built model is an ordinary NumPyro model: Predictive with fixed params and no
+    ``dv`` simulates observations of the padded shape (masked entries included)."""
+    from numpyro.infer import Predictive
+
+    data = nlme.load_phenobarb()
+    pk = sc._phenobarb_pk(covariates=False)
+    a = {k: v for k, v in pk.arrays(data).items() if k != "dv"}
+    params = {"mu_CL": -5.17, "mu_V": 0.37, "omega_CL": 0.47, "omega_V": 0.45, "a": 2.8}
+    out = Predictive(pk.model, params=params, num_samples=3)(jax.random.key(0), **a)
+    assert out["dv"].shape == (3, 59, 6) and out["phi_CL"].shape == (3, 59)
+    assert np.all(np.isfinite(np.asarray(out["dv"])))

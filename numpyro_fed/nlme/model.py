@@ -169,6 +169,8 @@ class PKModel:
         self.references: dict[str, float] = dict(references or {})
         self.levels: dict[str, int] = {}
         self._bound = False
+        self._bound_doses = False
+        self._specialised = False
         #: whether the data have samples taken before a dose given at the same time (a
         #: trough recorded before the dose): predictions then follow the record order
         self.record_order: bool | None = None
@@ -218,10 +220,26 @@ class PKModel:
             raise TypeError(f"data must be a nlme.PKDataset, got {type(data).__name__}.")
         if not self._bound:
             self._bind(data)
+        o, d = data.obs, data.doses
+        if not self._bound_doses:
+            # a structural model that can trace only the dosing routes the data use (e.g.
+            # CompartmentModel.for_doses) is specialised once, for the first data
+            special = getattr(self.structural, "for_doses", None)
+            if special is not None:
+                self.structural = special(d)
+                self._specialised = True
+            self._bound_doses = True
         check = getattr(self.structural, "check_doses", None)
         if check is not None:
-            check(data.doses)
-        o, d = data.obs, data.doses
+            try:
+                check(d)
+            except ValueError as e:
+                if not self._specialised:
+                    raise
+                raise ValueError(
+                    f"{e} (If these data use dosing routes that the data this PKModel was first "
+                    "used with did not, build a new PKModel: its structural model was "
+                    "specialised to those routes.)") from e
         self.error.check_observations(o.dv, cens=o.cens, mask=o.mask, lloq=o.lloq)
         # doses at or before each sample's time, against those before it in record order
         at_or_before = np.sum(d.mask[:, None, :] & (d.time[:, None, :] <= o.time[:, :, None]),
