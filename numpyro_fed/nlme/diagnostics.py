@@ -362,36 +362,32 @@ class NLMEFit:
 
     # ------------------------------------------------------------------ plots
     def plot_goodness_of_fit(self, path: str | Path | None = None, npde=None):
-        """Observations vs PRED and IPRED, IWRES vs time and vs PRED (and NPDE vs time and
-        PRED when ``npde`` -- the DataFrame of :meth:`npde` -- is given). Saved as PNG to
-        ``path`` when given; returns the matplotlib figure."""
+        """Observations vs PRED and vs IPRED, IWRES vs time and vs PRED (and NPDE vs time
+        and vs PRED when ``npde`` -- the DataFrame of :meth:`npde` -- is given). Saved as PNG
+        to ``path`` when given; returns the matplotlib figure."""
         plt = _pyplot()
         df = self.predictions()
         ok = ~df["CENS"].to_numpy()
-        ncol = 3 if npde is None else 4
-        fig, ax = plt.subplots(1, ncol, figsize=(4 * ncol, 3.8))
-        for axi, col in zip(ax[:2], ("PRED", "IPRED"), strict=True):
-            axi.scatter(df[col][ok], df["DV"][ok], s=10, alpha=0.7)
-            lim = [0, max(df[col].max(), df["DV"].max()) * 1.05]
-            axi.plot(lim, lim, "k--", lw=1)
-            axi.set_xlabel(col)
-            axi.set_ylabel("DV")
-            axi.set_title(f"observations vs {col}")
-        ax[2].scatter(df["TIME"], df["IWRES"], s=10, alpha=0.7)
-        ax[2].axhline(0, color="k", lw=1)
-        for h in (-1.96, 1.96):
-            ax[2].axhline(h, color="k", ls=":", lw=1)
-        ax[2].set_xlabel("time")
-        ax[2].set_ylabel("IWRES")
-        ax[2].set_title("IWRES vs time")
+        panels = [("PRED", "DV"), ("IPRED", "DV"), ("TIME", "IWRES"), ("PRED", "IWRES")]
         if npde is not None:
-            ax[3].scatter(df["PRED"], npde["NPDE"], s=10, alpha=0.7)
-            ax[3].axhline(0, color="k", lw=1)
-            for h in (-1.96, 1.96):
-                ax[3].axhline(h, color="k", ls=":", lw=1)
-            ax[3].set_xlabel("PRED")
-            ax[3].set_ylabel("NPDE")
-            ax[3].set_title("NPDE vs PRED")
+            df = df.assign(NPDE=npde["NPDE"].to_numpy())
+            panels += [("TIME", "NPDE"), ("PRED", "NPDE")]
+        ncol = 3 if len(panels) == 6 else 2
+        nrow = -(-len(panels) // ncol)
+        fig, ax = plt.subplots(nrow, ncol, figsize=(4 * ncol, 3.6 * nrow), squeeze=False)
+        for k, (x, y) in enumerate(panels):
+            axi = ax[k // ncol][k % ncol]
+            axi.scatter(df[x][ok], df[y][ok], s=10, alpha=0.7)
+            if y == "DV":
+                lim = [0, max(df[x].max(), df["DV"].max()) * 1.05]
+                axi.plot(lim, lim, "k--", lw=1)
+            else:
+                axi.axhline(0, color="k", lw=1)
+                for h in (-1.96, 1.96):
+                    axi.axhline(h, color="k", ls=":", lw=1)
+            axi.set_xlabel(x.lower() if x == "TIME" else x)
+            axi.set_ylabel(y)
+            axi.set_title(f"{y} vs {x.lower() if x == 'TIME' else x}")
         fig.tight_layout()
         return _save(fig, path)
 
