@@ -211,7 +211,8 @@ def test_a_hand_written_model_with_the_same_pieces():
     from numpyro_fed.saem import SAEM, Schedule
 
     data = nlme.load_theophylline()
-    one = nlme.one_compartment(absorption="first_order")
+    # specialised to the data's dosing routes, as PKModel does (and a user should)
+    one = nlme.one_compartment(absorption="first_order").for_doses(data.doses)
     err = nlme.ErrorModel("combined2")
     names = ("KA", "V", "CL")
 
