@@ -460,3 +460,141 @@ def test_errors_name_the_problem():
     bad_rhs = ode_model(lambda t, A, p: A[:1], 2, param_names=("V",))
     with pytest.raises(ValueError, match=r"must return dA/dt of shape \(2,\)"):
         bad_rhs({"V": 1.0}, TIMES, d)
+
+
+# ----------------------------------------------------------------------------- specialisation
+# subjects whose doses use a few routes each; in float64 the specialised model (the same
+# operations on the same values, less the statically-zero terms) equals the general one to
+# round-off: measured <= 2e-16 relative (values), <= 6e-15 (gradients)
+ROUTE_CASES = {
+    (1, None): [[(1.0, 100.0, 0.0, 1), (9.5, 60.0, 0.0, 1), (26.0, 80.0, 0.0, 1)]] * 3,
+    (1, "first_order"): [[(1.0, 100.0, 0.0, 1), (9.5, 60.0, 0.0, 1)], [(2.0, 80.0, 0.0, 1)],
+                         [(0.5, 50.0, 0.0, 1), (30.0, 40.0, 0.0, 1)]],
+    (2, None): [[(0.5, 120.0, 30.0, 1), (24.0, 80.0, 80.0, 1)], [(3.0, 50.0, 10.0, 2)],
+                [(1.0, 100.0, 40.0, 1), (20.0, 30.0, 5.0, 2)]],
+    (3, "first_order"): [
+        [(5.0, 70.0, 0.0, 1), (20.0, 100.0, 40.0, 1, True, 12.0), (40.0, 60.0, 0.0, 2)],
+        [(2.0, 90.0, 0.0, 2, True, 8.0), (30.0, 50.0, 0.0, 1)],
+        [(10.0, 40.0, 0.0, 1, True, 24.0)],
+    ],
+}
+ROUTES = {
+    (1, None): ({("bolus", 1)}, False),
+    (1, "first_order"): ({("bolus", 1)}, False),
+    (2, None): ({("infusion", 1), ("infusion", 2)}, False),
+    (3, "first_order"): ({("bolus", 1), ("infusion", 1), ("bolus", 2)}, True),
+}
+
+
+def test_specialised_models_equal_the_general_one():
+    """for_doses on data with IV boluses (Phenobarb's route), oral doses (Theophylline's),
+    infusions into the central and peripheral compartments (2 compartments), and steady
+    state (boluses and an infusion into the depot, central boluses; 3 compartments): the
+    routes found, and predictions equal to the general model's to 1e-13 relative, with
+    TLAG and F estimated and (one compartment) without them -- then their code is not
+    traced -- against the general model with TLAG = 0, F = 1; gradients too (1e-12)."""
+    with jax.enable_x64(True):
+        for (n, a), rows in ROUTE_CASES.items():
+            general = model_for(n, a)
+            cases = [make_doses(r, pad=JUNK) for r in rows]
+            special = general.for_doses(stack(cases))
+            assert (set(special.routes), special.steady_state) == ROUTES[(n, a)]
+            assert special.is_specialized and not general.is_specialized
+            p = params_for(general)
+            ref = predict(general, p, cases)
+            np.testing.assert_allclose(predict(special, p, cases), ref, rtol=1e-13, atol=0)
+            if n == 1:  # no TLAG, no F
+                bare = {k: v for k, v in p.items() if k in general.param_names}
+                neutral = dict(p, TLAG=0.0, F=1.0)
+                np.testing.assert_allclose(predict(special, bare, cases),
+                                           predict(general, neutral, cases), rtol=1e-13, atol=0)
+        # gradients (oral, F and TLAG estimated; the padding holds NaN)
+        general = model_for(1, "first_order")
+        d = make_doses(ROUTE_CASES[(1, "first_order")][0], pad=JUNK)
+        special = general.for_doses(d)
+        names = general.param_names + ("TLAG", "F")
+        v0 = np.log([TRUE[k] for k in names])
+
+        def grad(model):
+            def loglik(v):
+                return jnp.sum(jnp.log1p(model(dict(zip(names, jnp.exp(v), strict=True)),
+                                               TIMES, d)))
+
+            return jax.jit(jax.grad(loglik))(v0)
+
+        np.testing.assert_allclose(grad(special), grad(general), rtol=1e-12)
+
+
+def test_specialised_models_refuse_other_routes():
+    """A specialised model refuses the doses of other routes: check_doses raises (naming the
+    dose, its route, the routes it computes and how to rebuild), inside jit the subject's
+    predictions are NaN; specialize checks its routes."""
+    with jax.enable_x64(True):
+        general = model_for(1, "first_order")
+        cases = [make_doses(r, pad=JUNK) for r in ROUTE_CASES[(1, "first_order")]]
+        oral = general.for_doses(stack(cases))
+        oral.check_doses(stack(cases))  # its own data pass
+        infusion = make_doses([(0.0, 100.0, 0.0, 1), (5.0, 50.0, 10.0, 1)])
+        with pytest.raises(ValueError, match=r"index \(1,\).*an infusion into compartment 1 "
+                           r"\('depot'\) is not a route of .*specialised by for_doses to the "
+                           r"routes \[bolus into 1\] without steady state.*Rebuild the "
+                           r"structural model with model.for_doses\(doses\)"):
+            oral.check_doses(infusion)
+        iv = make_doses([(0.0, 100.0, 0.0, 2)])
+        with pytest.raises(ValueError, match=r"index \(1, 0\).*a bolus into compartment 2 "
+                           r"\('central'\)"):
+            oral.check_doses(stack([cases[0], iv]))
+        steady = make_doses([(0.0, 100.0, 0.0, 1, True, 12.0)])
+        with pytest.raises(ValueError, match=r"a steady-state bolus into compartment 1.*without "
+                           r"steady state"):
+            oral.check_doses(steady)
+        with pytest.raises(ValueError, match=r"cmt=3 is not a compartment"):  # as the general
+            oral.check_doses(make_doses([(0.0, 100.0, 0.0, 3)]))
+        with pytest.raises(ValueError, match=r"cmt=3 is not a compartment"):
+            general.for_doses(make_doses([(0.0, 100.0, 0.0, 3)]))
+        # inside jit: NaN for the subjects with a route not computed, the others unchanged
+        out = predict(oral, params_for(general), [cases[0], infusion, iv, steady])
+        assert np.all(np.isfinite(out[0])) and np.all(np.isnan(out[1:]))
+        # rebuilt for the new data (from the specialised model too)
+        rebuilt = oral.for_doses(stack([cases[0], infusion, iv, steady]))
+        assert rebuilt.routes == {("bolus", 1), ("infusion", 1), ("bolus", 2)}
+        assert rebuilt.steady_state
+    with pytest.raises(ValueError, match=r"kind 'oral' is not one of \['bolus', 'infusion'\]"):
+        general.specialize([("oral", 1)])
+    with pytest.raises(ValueError, match=r"cmt=4 is not a compartment"):
+        general.specialize([("bolus", 4)])
+    with pytest.raises(TypeError, match=r"\(kind, cmt\) pairs"):
+        general.specialize(["bolus"])
+    with pytest.raises(TypeError, match="steady_state must be a bool"):
+        general.specialize([("bolus", 1)], steady_state="yes")
+
+
+def test_specialised_models_keep_the_contract():
+    """The specialised model keeps the attributes of the structural-function contract, is
+    built once per set of routes (the same object: compiled programs are reused), rebuilds
+    from a specialised model, and predicts 0 without any real dose; the Phenobarb data are
+    IV boluses into compartment 1 only."""
+    from numpyro_fed.nlme.data import load_phenobarb
+
+    general = two_compartment(absorption=None)
+    pheno = general.for_doses(load_phenobarb().doses)
+    assert pheno.routes == {("bolus", 1)} and not pheno.steady_state
+    for attr in ("param_names", "optional_params", "compartments", "default_dose_cmt",
+                 "observed_cmt", "n_compartments", "absorption", "supports_steady_state"):
+        assert getattr(pheno, attr) == getattr(general, attr), attr
+    assert isinstance(pheno, type(general)) and callable(pheno.check_doses)
+    assert repr(pheno) == ("compartment_model(n_compartments=2, absorption=None)"
+                           ".specialize([('bolus', 1)], steady_state=False)")
+    d = make_doses([(0.0, 100.0, 0.0, 1), (5.0, 50.0, 0.0, 1)])
+    assert general.for_doses(d) is pheno and pheno.for_doses(d) is pheno
+    assert general.specialize([("bolus", 1)]) is pheno
+    ss = pheno.for_doses(make_doses([(0.0, 100.0, 0.0, 1, True, 12.0)]))
+    assert ss.steady_state and ss.routes == {("bolus", 1)} and ss is not pheno
+    every = [(k, c) for k in ("bolus", "infusion") for c in (1, 2)]
+    assert pheno.specialize(every, steady_state=True) is general
+    # no real dose: no route, a prediction of 0 (padding only, NaN in it)
+    empty = make_doses([], pad=JUNK)
+    none = general.for_doses(empty)
+    assert none.routes == frozenset()
+    out = none({"CL": 3.0, "V": 20.0, "Q": 4.0, "V2": 50.0}, TIMES[:3], empty)
+    np.testing.assert_array_equal(out, np.zeros(3))
