@@ -75,8 +75,9 @@ dose and the route, and inside ``jit`` such a dose makes its subject's predictio
 rebuild with ``for_doses`` on the new data. ``TLAG`` and ``F`` cost nothing when ``params``
 does not have them (in every model). Measured on 59 Phenobarb subjects (6 observations, 15
 doses, float32, 2-core CPU, ``benchmarks/bench_nlme_pk.py``): the specialised
-``one_compartment(None)`` runs as fast as a minimal hand-written bolus sum (value and
-gradient within ~1.3x per call, ~1.0x inside a compiled loop), the general one 5-11x slower.
+``one_compartment(None)`` runs as fast as a minimal hand-written bolus sum: 1.05x its time
+inside a compiled loop (as in a fit), per call 0.9-1.6x for the values and 1.1x for the
+gradient (dispatch included: these ~0.1 ms calls are noisy); the general one is 4-8x slower.
 
 **Method.** Superposition of the unit responses of the linear system, summed over the dose
 axis (no loop over doses). The disposition matrix has real, distinct eigenvalues
@@ -138,6 +139,7 @@ ROUTE_KINDS = ("bolus", "infusion")
 # <= ~1e-14 relative), above it their closed forms (cancellation <= ~1.3 digits; derivatives
 # of the closed forms lose eps / _SMALL^k, which matters in float32).
 _SMALL = 0.05
+_PHI1_DEGREE = 9  # of the series of phi1 below _SMALL
 
 
 class _DoseArrays(NamedTuple):
@@ -381,17 +383,21 @@ class StructuralModel:
 
 # --------------------------------------------------------------------------- response kernel
 def _phi1(z: jax.Array) -> jax.Array:
-    """``(1 - e^{-z}) / z`` for ``z >= 0`` (1 at 0): below ``_SMALL`` from the identity
-    ``e^{-z/2} sinh(z/2) / (z/2)`` and four terms of the series of ``sinh(w) / w``
-    (truncation ``w^8 / 9! < 1e-18``), above it ``-expm1(-z) / z``; value and derivatives
-    are accurate everywhere (the quotient alone loses ``eps / z^k`` in the k-th derivative,
-    and is 0/0 at 0)."""
+    """``(1 - e^{-z}) / z`` for ``z >= 0`` (1 at 0): below ``_SMALL`` its Taylor series
+    ``sum_j (-z)^j / (j + 1)!`` to degree 9 (a polynomial: no exponential; truncation
+    ``z^10 / 11! < 3e-21``, and ``< 1e-16`` relative in the first and second derivatives),
+    above it ``-expm1(-z) / z``; value and derivatives are accurate everywhere (the quotient
+    alone loses ``eps / z^k`` in the k-th derivative, and is 0/0 at 0)."""
     # each branch sees its argument clamped to its own range: no inf/NaN (nor their
-    # derivatives, which would leak through the where) in the branch not selected
-    zs, zl = jnp.minimum(z, _SMALL), jnp.maximum(z, _SMALL)
-    w2 = 0.25 * zs * zs
-    sinhc = 1.0 + w2 * (1.0 / 6.0 + w2 * (1.0 / 120.0 + w2 / 5040.0))
-    return jnp.where(z < _SMALL, jnp.exp(-0.5 * zs) * sinhc, -jnp.expm1(-zl) / zl)
+    # derivatives, which would leak through the where) in the branch not selected; with
+    # where, not min/max, whose derivative is split in two at z = _SMALL
+    small = z < _SMALL
+    zs, zl = jnp.where(small, z, _SMALL), jnp.where(small, _SMALL, z)
+    # Horner: 1/1! - z (1/2! - z (1/3! - ...)); the terms decrease fast: no cancellation
+    series = 1.0 / math.factorial(_PHI1_DEGREE + 1)
+    for j in range(_PHI1_DEGREE - 1, -1, -1):
+        series = 1.0 / math.factorial(j + 1) - zs * series
+    return jnp.where(small, series, -jnp.expm1(-zl) / zl)
 
 
 class _Kernel(NamedTuple):
@@ -875,8 +881,8 @@ class CompartmentModel(StructuralModel):
         def col(v: Any) -> Any:  # per-dose (D,) -> (D, 1), against the modes (n,)
             return v if v is None or isinstance(v, bool) or not modes else v[:, None]
 
-        def msum(v: jax.Array, axis: tuple[int, ...] = ()) -> jax.Array:  # sum over modes
-            return jnp.sum(v, axis=axis + ((-1,) if modes else ()))
+        def msum(v: jax.Array) -> jax.Array:  # sum over the modes
+            return jnp.sum(v, axis=-1) if modes else v
 
         # ---- per dose (D,); masks static where the routes decide them (padding doses have
         # amt = rate = 0 and are inactive below)
@@ -1020,16 +1026,13 @@ class CompartmentModel(StructuralModel):
         shape = (d.time.shape[0], n) if modes else d.time.shape
         full = lambda w: jnp.broadcast_to(zero if w is None else w, shape)  # noqa: E731
         phase = post[..., None] if modes and any_inf else post  # against the modes
-        if len(terms) == 1:
-            w_post, w_run, name = terms[0]
-            w = jnp.where(phase, full(w_post), full(w_run)) if any_inf else w_post
-            amount = msum(w * getattr(k, name)[:T])
-        else:
-            w = jnp.stack([full(tm[0]) for tm in terms])[:, None]  # (K, 1, D, n)
+        amount = None
+        for w_post, w_run, name in terms:
+            w = w_post
             if any_inf:
-                w = jnp.where(phase, w, jnp.stack([full(tm[1]) for tm in terms])[:, None])
-            responses = jnp.stack([getattr(k, name)[:T] for *_, name in terms])
-            amount = msum(w * responses, (0,))
+                w = jnp.where(phase, full(w_post), full(w_run))
+            amount = _add(amount, w * getattr(k, name)[:T])
+        amount = msum(amount)
         if post_eka is not None:
             amount += jnp.where(post, post_eka, run_eka) * k.eka[:T]
         if bad_ss is not False:
