@@ -108,6 +108,7 @@ Example::
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -172,7 +173,7 @@ def _host_doses(doses: Any) -> dict[str, np.ndarray]:
 
 
 # --------------------------------------------------------------------------- shared plumbing
-class StructuralModel:
+class StructuralModel(ABC):
     """Base class of the structural functions: parameter and dose handling shared by
     :class:`CompartmentModel` and :class:`numpyro_fed.nlme.ode.ODEModel`.
 
@@ -191,6 +192,7 @@ class StructuralModel:
     #: whether steady-state doses are supported (``check_doses`` refuses them otherwise)
     supports_steady_state: bool = True
 
+    @abstractmethod
     def __call__(self, params: Mapping[str, Any], t: jax.Array, doses: Any) -> jax.Array:
         """Concentrations ``(T,)`` in the observed compartment for one subject.
 
@@ -201,7 +203,6 @@ class StructuralModel:
             ``(D,)``.
         :return: ``(T,)`` predicted concentrations.
         """
-        raise NotImplementedError
 
     # ---------------------------------------------------------------- trace-time checks
     def _resolve_params(self, params: Mapping[str, Any]) -> tuple[dict[str, jax.Array], Any]:
