@@ -14,7 +14,7 @@ neonates, 589 intravenous bolus doses (1 to 15 per subject), 155 sparse concentr
 3. the covariate model (birth weight on log CL and log V, Apgar < 5 on log V, as in the
    book's final model) against its exact maximum, and the -2LL / AIC comparison;
 4. diagnostics of the covariate model: parameter table (SE, RSE %, CV %), individual
-   estimates and eta-shrinkage, PRED / IPRED / IWRES, NPDE, goodness-of-fit plots,
+   estimates and eta-shrinkage, PRED / IPRED / IWRES / CWRES, NPDE, goodness-of-fit plots,
    individual fits, VPC and prediction-corrected VPC (PNG);
 5. simulation of a new dosing regimen (loading dose + maintenance) for new neonates;
 6. Theophylline on the new layer (``nlme.load_theophylline()``, one compartment with
@@ -197,7 +197,8 @@ def main(argv=None) -> dict:
     nd = npde["NPDE"].dropna()
     lines += ["## Diagnostics (covariate model)", "", ptab.to_markdown(floatfmt=".4g"), "",
               "eta-shrinkage: " + ", ".join(f"{k} {v:.0f}%" for k, v in shr.items()), "",
-              f"IWRES mean {pr['IWRES'].mean():.3f}, sd {pr['IWRES'].std():.3f}; NPDE mean "
+              f"IWRES mean {pr['IWRES'].mean():.3f}, sd {pr['IWRES'].std():.3f}; CWRES mean "
+              f"{pr['CWRES'].mean():.3f}, sd {pr['CWRES'].std():.3f}; NPDE mean "
               f"{nd.mean():.3f}, sd {nd.std():.3f} (N(0, 1) under the model: standard errors "
               f"{1 / np.sqrt(len(nd)):.3f} and {1 / np.sqrt(2 * len(nd)):.3f}); "
               f"{100 * inside:.0f}% of the VPC's observed percentiles inside their 90% "
