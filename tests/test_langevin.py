@@ -15,6 +15,7 @@ from numpyro_fed import (
     MALA,
     ULA,
     ClientPartition,
+    DivergenceError,
     FederatedLangevin,
     communication_summary,
     compressors,
@@ -249,7 +250,7 @@ def test_divergence_is_reported_with_the_step_size():
     part = gauss_clients()
     kernel = FederatedLangevin(gauss_model, part, step_size=0.5)
     mcmc = MCMC(kernel, num_warmup=0, num_samples=500, progress_bar=False)
-    with pytest.raises(Exception, match=r"non-finite.*step_size=0.5"):
+    with pytest.raises(DivergenceError, match=r"non-finite.*step_size=0.5"):
         mcmc.run(random.PRNGKey(0))
 
 
@@ -303,5 +304,5 @@ def test_ula_without_potential_same_draws_and_divergence_check():
     assert np.all(np.isfinite(out[True][1])) and np.all(np.isnan(out[False][1]))
     mcmc = MCMC(ULA(logistic_regression, step_size=50.0, track_potential=False), num_warmup=0,
                 num_samples=200, progress_bar=False)
-    with pytest.raises(Exception, match=r"non-finite.*step_size=50"):
+    with pytest.raises(DivergenceError, match=r"non-finite.*step_size=50"):
         mcmc.run(random.PRNGKey(0), X=X * 100, y=y)

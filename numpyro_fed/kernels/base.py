@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.experimental import io_callback
+from jax.core import Tracer
 from numpyro.util import is_prng_key
 
 from numpyro_fed.algorithms.langevin import langevin_move  # noqa: F401  (re-exported)
@@ -26,11 +26,20 @@ __all__ = [
     "langevin_move",
     "raise_if_nonfinite",
     "DivergenceError",
+    "DivergenceGuard",
 ]
 
 
 class DivergenceError(FloatingPointError):
-    """A chain left the finite numbers (usually: the step size is too large)."""
+    """A chain left the finite numbers (usually: the step size is too large).
+
+    Raised directly by ``MCMC.run`` (not wrapped in a JAX runtime error). Attributes:
+    ``iteration`` -- the first non-finite iteration (counting warmup, from 1) when known;
+    ``chain`` -- the index of the first diverging vectorized chain, or ``None``.
+    """
+
+    iteration: int | None = None
+    chain: int | None = None
 
 
 def split_chain_keys(rng_key) -> tuple[bool, Any]:
@@ -56,24 +65,103 @@ def check_step_size(step_size, name: str = "step_size") -> float:
     return value
 
 
-def _raise_divergence(bad, iteration, message):
-    if bool(np.any(bad)):
-        it = int(np.max(np.asarray(iteration)))
-        raise DivergenceError(message.format(iteration=it))
+def _check_guard(first_bad: Any, message: str) -> None:
+    """Raise the :class:`DivergenceError` of a concrete guard leaf that recorded a non-finite
+    iteration; do nothing for tracers, shape structs, axis specs or ``None``."""
+    if isinstance(first_bad, Tracer):
+        return
+    if isinstance(first_bad, jax.Array):
+        if first_bad.is_deleted() or not first_bad.is_fully_addressable:
+            return
+    elif not isinstance(first_bad, np.ndarray):
+        return
+    v = np.asarray(first_bad)
+    if not np.issubdtype(v.dtype, np.integer) or not np.any(v >= 0):
+        return
+    flat = np.where(v >= 0, v, np.iinfo(v.dtype).max).ravel()
+    pos = int(np.argmin(flat))
+    iteration = int(flat[pos])
+    chain = pos if v.size > 1 else None
+    where = f" {pos}" if chain is not None else ""
+    err = DivergenceError(message.format(iteration=iteration, chain=where))
+    err.iteration, err.chain = iteration, chain
+    raise err
+
+
+@jax.tree_util.register_pytree_node_class
+class DivergenceGuard:
+    """Divergence check carried in a kernel's state: raises :class:`DivergenceError` on the
+    host as soon as a state that saw a non-finite value comes out of a compiled function.
+
+    Its only leaf, ``first_bad`` (``int32``, one per vectorized chain), is the first
+    iteration at which the watched quantity was not finite, ``-1`` while it is finite; the
+    message template (``{iteration}``, ``{chain}``) is static pytree metadata. JAX rebuilds
+    the outputs of a jitted, ``pmap``-ed or eager ``lax`` computation on the host with
+    concrete arrays, through :meth:`tree_unflatten`, which raises the error there. So
+    NumPyro's ``MCMC.run`` stops with a :class:`DivergenceError` (catchable by that name, no
+    host callback, no second traceback): at the diverging step with ``progress_bar=True``
+    (one compiled step per iteration), at the end of the compiled loop with
+    ``progress_bar=False`` (the remaining steps run on NaN, which costs what a finite step
+    costs: measured, see :func:`raise_if_nonfinite`).
+
+    Inside traced code (``jit``, ``vmap``, ``scan``) the leaf is a tracer and nothing is
+    checked; unflattening with anything but a concrete integer array (axis specs, ``None``,
+    ``jax.ShapeDtypeStruct``) does not check either.
+    """
+
+    __slots__ = ("first_bad", "message")
+
+    def __init__(self, first_bad: Any, message: str) -> None:
+        self.first_bad = first_bad
+        self.message = message
+
+    @classmethod
+    def create(cls, message: str) -> DivergenceGuard:
+        """A guard that has seen only finite values (``first_bad = -1``).
+
+        :param message: error template; may use ``{iteration}`` and ``{chain}`` (``" c"``
+            for chain ``c`` of vectorized chains, empty otherwise).
+        """
+        return cls(jnp.full((), -1, jnp.int32), message)
+
+    def update(self, x: Any, iteration: Any) -> DivergenceGuard:
+        """Record ``iteration`` if ``x`` is not finite and nothing was recorded before.
+
+        The predicate is :math:`\\sum_k 0\\cdot x_k \\ne 0`, which holds exactly when some
+        :math:`x_k` is NaN or infinite (``0 * inf`` is NaN); XLA on CPU compiles it to one
+        fewer unfused operation than ``~all(isfinite(x))``. Cost per step: that reduction
+        and one scalar select (no branch, no host callback).
+        """
+        bad = jnp.sum(x * jnp.zeros((), jnp.result_type(x))) != 0
+        fb = self.first_bad
+        first = jnp.where(bad & (fb < 0), jnp.asarray(iteration, fb.dtype), fb)
+        return DivergenceGuard(first, self.message)
+
+    def check(self) -> None:
+        """Raise now if a non-finite value was recorded (host side, concrete leaf)."""
+        _check_guard(self.first_bad, self.message)
+
+    def tree_flatten(self):
+        return (self.first_bad,), self.message
+
+    @classmethod
+    def tree_unflatten(cls, message, leaves):
+        (first_bad,) = leaves
+        _check_guard(first_bad, message)
+        return cls(first_bad, message)
+
+    def __repr__(self) -> str:
+        return f"DivergenceGuard(first_bad={self.first_bad!r})"
 
 
 def raise_if_nonfinite(x, iteration, message: str) -> None:
-    """Stop the run with a :class:`DivergenceError` as soon as ``x`` is not finite.
+    """Raise :class:`DivergenceError` now if the concrete ``x`` is not finite (host side).
 
-    The host callback runs only on the branch taken when a non-finite value appears, so the
-    cost on the hot path is one reduction and one predicate per step. The predicate is
-    :math:`\\sum_k 0\\cdot x_k \\ne 0`, which holds exactly when some :math:`x_k` is NaN or
-    infinite (``0 * inf`` is NaN); XLA on CPU compiles it to one fewer unfused operation than
-    ``~all(isfinite(x))``. ``message`` may use ``{iteration}``.
+    The kernels do not call this in their step: they carry a :class:`DivergenceGuard` in
+    their state instead (no host callback in the compiled step). ``message`` may use
+    ``{iteration}`` and ``{chain}``.
     """
-    bad = jnp.sum(x * jnp.zeros((), jnp.result_type(x))) != 0
-
-    def _report():
-        io_callback(lambda b, i: _raise_divergence(b, i, message), None, bad, iteration)
-
-    lax.cond(bad, _report, lambda: None)
+    if not bool(np.all(np.isfinite(np.asarray(x)))):
+        err = DivergenceError(message.format(iteration=int(np.max(iteration)), chain=""))
+        err.iteration, err.chain = int(np.max(iteration)), None
+        raise err

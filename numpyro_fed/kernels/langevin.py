@@ -37,10 +37,10 @@ from numpyro_fed.algorithms.langevin import mala_log_ratio
 from numpyro_fed.bits import BitCounter, counter_value, totals_add, totals_counter, totals_zeros
 from numpyro_fed.compressors import Compressor, get_compressor
 from numpyro_fed.kernels.base import (
+    DivergenceGuard,
     chain_keys_list,
     check_step_size,
     langevin_move,
-    raise_if_nonfinite,
     split_chain_keys,
 )
 from numpyro_fed.partition import ClientPartition
@@ -57,8 +57,9 @@ __all__ = [
 ]
 
 _DIVERGED = (
-    "numpyro_fed: {kernel} chain became non-finite at iteration {{iteration}} with "
-    "step_size={step_size:.3g}. Reduce `step_size` (or check the model for invalid values)."
+    "numpyro_fed: {kernel} chain{{chain}} became non-finite at iteration {{iteration}} "
+    "(counting warmup) with step_size={step_size:.3g}. Reduce `step_size` (or check the "
+    "model for invalid values)."
 )
 
 
@@ -71,6 +72,9 @@ class LangevinState(NamedTuple):
     - **potential_energy** -- :math:`U(z)` (NaN with ``track_potential=False``).
     - **z_grad** -- :math:`\\nabla U(z)`.
     - **rng_key** -- random key.
+    - **guard** -- :class:`~numpyro_fed.kernels.base.DivergenceGuard`: the first non-finite
+      iteration (``-1``: none); a state that holds one raises
+      :class:`~numpyro_fed.kernels.base.DivergenceError` when it leaves compiled code.
     """
 
     i: jax.Array
@@ -78,6 +82,7 @@ class LangevinState(NamedTuple):
     potential_energy: jax.Array
     z_grad: jax.Array
     rng_key: jax.Array
+    guard: DivergenceGuard
 
 
 class MALAState(NamedTuple):
@@ -92,6 +97,8 @@ class MALAState(NamedTuple):
     - **step_size** -- current step size (adapted during warmup).
     - **adapt_state** -- dual-averaging state on :math:`\\log` step size.
     - **rng_key** -- random key.
+    - **guard** -- :class:`~numpyro_fed.kernels.base.DivergenceGuard` (see
+      :class:`LangevinState`).
     """
 
     i: jax.Array
@@ -103,6 +110,7 @@ class MALAState(NamedTuple):
     step_size: jax.Array
     adapt_state: tuple
     rng_key: jax.Array
+    guard: DivergenceGuard
 
 
 class _ModelLangevinBase(MCMCKernel):
@@ -191,6 +199,11 @@ class _ModelLangevinBase(MCMCKernel):
             return identity
         return self._postprocess_fn(*model_args, **model_kwargs)
 
+    def _guard(self) -> DivergenceGuard:
+        return DivergenceGuard.create(
+            _DIVERGED.format(kernel=type(self).__name__, step_size=self._step_size)
+        )
+
     def _maybe_vmap(self, fn, in_axes):
         return jax.vmap(fn, in_axes=in_axes) if self._vectorized else fn
 
@@ -246,7 +259,7 @@ class ULA(_ModelLangevinBase):
 
         def init_one(z, key):
             u, g = self._value_and_grad(pe, ravel_pytree(z)[0])
-            return LangevinState(jnp.zeros((), jnp.int32), z, u, g, key)
+            return LangevinState(jnp.zeros((), jnp.int32), z, u, g, key, self._guard())
 
         return self._maybe_vmap(init_one, (0, 0))(z0, rng_key)
 
@@ -267,16 +280,12 @@ class ULA(_ModelLangevinBase):
             rng_key, k_noise, _ = random.split(s.rng_key, 3)
             x = langevin_move(k_noise, ravel_pytree(s.z)[0], s.z_grad, gamma)
             u, g = self._value_and_grad(pe, x)
-            return LangevinState(s.i + 1, self._unravel(x), u, g, rng_key)
+            guard = s.guard
+            if self.check_finite:
+                guard = guard.update(u if self.track_potential else g, s.i + 1)
+            return LangevinState(s.i + 1, self._unravel(x), u, g, rng_key, guard)
 
-        new = self._maybe_vmap(one, 0)(state)
-        if self.check_finite:
-            raise_if_nonfinite(
-                new.potential_energy if self.track_potential else new.z_grad,
-                new.i,
-                _DIVERGED.format(kernel="ULA", step_size=gamma),
-            )
-        return new
+        return self._maybe_vmap(one, 0)(state)
 
     def get_diagnostics_str(self, state):
         if not self.track_potential:
@@ -340,7 +349,7 @@ class MALA(_ModelLangevinBase):
             step = jnp.asarray(self._step_size, jnp.result_type(x))
             return MALAState(
                 jnp.zeros((), jnp.int32), z, u, g, zero, zero, step,
-                da_init(jnp.log(10.0) + log_step), key,
+                da_init(jnp.log(10.0) + log_step), key, self._guard(),
             )
 
         return self._maybe_vmap(init_one, (0, 0))(z0, rng_key)
@@ -385,18 +394,13 @@ class MALA(_ModelLangevinBase):
             mean_acc = jnp.where(
                 restart, accept_prob, s.mean_accept_prob + (accept_prob - s.mean_accept_prob) / n
             )
+            guard = s.guard.update(u_new, i) if self.check_finite else s.guard
             return MALAState(
-                i, self._unravel(x_new), u_new, g_new, accept_prob, mean_acc, step, da, rng_key
+                i, self._unravel(x_new), u_new, g_new, accept_prob, mean_acc, step, da, rng_key,
+                guard,
             )
 
-        new = self._maybe_vmap(one, 0)(state)
-        if self.check_finite:
-            raise_if_nonfinite(
-                new.potential_energy,
-                new.i,
-                _DIVERGED.format(kernel="MALA", step_size=self._step_size),
-            )
-        return new
+        return self._maybe_vmap(one, 0)(state)
 
     def get_diagnostics_str(self, state):
         return (
@@ -422,6 +426,9 @@ class FedState(NamedTuple):
     - **extra** -- algorithm-specific state (memory terms, control variates, error feedback).
     - **rng_key** -- random key.
     - **data** -- the client partition (shared by chains).
+    - **guard** -- :class:`~numpyro_fed.kernels.base.DivergenceGuard`, one per chain: the
+      first non-finite iteration (``-1``: none). A state that holds one raises
+      :class:`~numpyro_fed.kernels.base.DivergenceError` when it leaves compiled code.
 
     The bits of a step are one array, not two fields, because NumPyro's sampling loop pays
     a guarded write per collected field and step (about 0.3 us on CPU, 4% of a small
@@ -435,6 +442,7 @@ class FedState(NamedTuple):
     extra: Any
     rng_key: jax.Array
     data: ClientPartition
+    guard: DivergenceGuard
 
     @property
     def bits_up(self) -> jax.Array:
@@ -537,7 +545,16 @@ class FederatedKernel(MCMCKernel):
 
     def _state_axes(self) -> FedState:
         return FedState(
-            i=None, z=0, bits=0, totals=0, extra=0, rng_key=0, data=None,
+            i=None, z=0, bits=0, totals=0, extra=0, rng_key=0, data=None, guard=0,
+        )
+
+    def _display_name(self) -> str:
+        """The kernel's name in messages."""
+        return self.name
+
+    def _guard(self) -> DivergenceGuard:
+        return DivergenceGuard.create(
+            _DIVERGED.format(kernel=self._display_name(), step_size=self._step_size)
         )
 
     def _check_run_args(self, model_args, model_kwargs) -> None:
@@ -628,7 +645,7 @@ class FederatedKernel(MCMCKernel):
             extra, up, down = kern.init_extra(random.fold_in(key, 2), x, data)
             return FedState(
                 jnp.zeros((), jnp.int32), pot.unravel(x), jnp.zeros((2,), jnp.int32),
-                totals_add(totals_zeros(), up, down), extra, key, data,
+                totals_add(totals_zeros(), up, down), extra, key, data, self._guard(),
             )
 
         if self._vectorized:
@@ -647,9 +664,10 @@ class FederatedKernel(MCMCKernel):
             x_new, extra, up, down = kern.step(k_alg, k_noise, i, x, s.extra, data)
             bits = jnp.stack(jnp.broadcast_arrays(jnp.asarray(up, jnp.int32),
                                                   jnp.asarray(down, jnp.int32)))
+            guard = s.guard.update(x_new, i + 1) if self.check_finite else s.guard
             return FedState(
                 s.i, pot.unravel(x_new), bits, totals_add(s.totals, up, down),
-                extra, rng_key, s.data,
+                extra, rng_key, s.data, guard,
             )
 
         if self._vectorized:
@@ -657,14 +675,7 @@ class FederatedKernel(MCMCKernel):
             new = jax.vmap(one, in_axes=(axes,), out_axes=axes)(state)
         else:
             new = one(state)
-        new = new._replace(i=i + 1)
-        if self.check_finite:
-            raise_if_nonfinite(
-                ravel_pytree(new.z)[0],
-                new.i,
-                _DIVERGED.format(kernel=self.name, step_size=self._step_size),
-            )
-        return new
+        return new._replace(i=i + 1)
 
     def get_diagnostics_str(self, state):
         up = float(state.bits_up) / 1e3

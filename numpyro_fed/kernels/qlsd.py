@@ -517,6 +517,9 @@ class QLSD(FederatedKernel):
         down = (jnp.sum(mask.astype(jnp.int32)) * 32 * self.potential.dim).astype(jnp.int32)
         return x_new, extra._replace(participants=mask), up, down
 
+    def _display_name(self) -> str:
+        return f"QLSD{self.variant}"
+
     def get_diagnostics_str(self, state):
         base = super().get_diagnostics_str(state)
         return f"QLSD{self.variant} ({self.compressor.name}). {base}"
