@@ -266,3 +266,75 @@ def test_example_smoke(tmp_path):
     spec.loader.exec_module(mod)
     mod.main(["--smoke", "--out", str(tmp_path)])
     assert (tmp_path / "flower_qlsd.md").exists() and (tmp_path / "flower_qlsd.png").exists()
+
+
+# --------------------------------------------------------------------------- divergence
+@pytest.mark.parametrize("name", ["qlsd#", "delf"])
+def test_diverging_deployment_stops_with_the_in_process_error(problem, name):
+    """A large step size: the deployment stops with the in-process DivergenceError (same
+    kernel name, iteration and step size) instead of rejecting non-finite messages and
+    returning draws that grow to 1e38."""
+    from numpyro_fed import DivergenceError
+
+    part, clients = problem
+    kernel = (QLSD(logistic_regression, part, variant="#", step_size=5.0, batch_size=10, bits=4)
+              if name == "qlsd#" else
+              DELF(logistic_regression, part, step_size=5.0, uplink=compressors.top_k(2)))
+    with pytest.raises(DivergenceError) as inproc:
+        _inprocess(kernel, 200)
+    spec = FlowerSpec.from_kernel(kernel, "models:logistic_regression", num_samples=200, seed=3)
+    with pytest.raises(DivergenceError) as deployed:
+        run_loopback(spec, clients)
+    head = str(inproc.value).split(" Reduce")[0]
+    assert str(deployed.value).startswith(head), (str(deployed.value), head)
+    assert deployed.value.iteration == inproc.value.iteration
+
+
+def _spec(**kw):
+    base = dict(algorithm="qlsd", model="m:f", num_clients=2, step_size=1e-3, num_samples=2)
+    return FlowerSpec(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw, exc, arg", [
+    ({"step_size": -1e-3}, ValueError, "step_size"),
+    ({"step_size": 0.0}, ValueError, "step_size"),
+    ({"step_size": float("nan")}, ValueError, "step_size"),
+    ({"step_size": "big"}, TypeError, "step_size"),
+    ({"batch_size": -5}, ValueError, "batch_size"),
+    ({"batch_size": 2.5}, TypeError, "batch_size"),
+    ({"num_clients": 0}, ValueError, "num_clients"),
+    ({"num_samples": 1.5}, TypeError, "num_samples"),
+    ({"memory_rate": 1.5}, ValueError, "memory_rate"),
+    ({"refresh_every": 0}, ValueError, "refresh_every"),
+    ({"likelihood_weight": -1.0}, ValueError, "likelihood_weight"),
+    ({"round_timeout": 0.0}, ValueError, "round_timeout"),
+    ({"seed": -1}, ValueError, "seed"),
+    ({"theta_star_gtol": 0.0}, ValueError, "theta_star_gtol"),
+    ({"compressor": "zip(k=3)"}, ValueError, "compressor"),
+    ({"compressor": ""}, TypeError, "compressor"),
+    ({"variant": "x"}, ValueError, "variant"),
+    ({"algorithm": "sgld"}, ValueError, "algorithm"),
+])
+def test_spec_rejects_bad_arguments_naming_them(kw, exc, arg):
+    with pytest.raises(exc, match=f"`{arg}`"):
+        _spec(**kw)
+
+
+def test_client_with_wrong_data_shape_is_named(problem):
+    _, clients = problem
+    spec = _spec(model="models:logistic_regression", num_clients=B, num_samples=2)
+    bad = [dict(c) for c in clients]
+    bad[2] = {"X": bad[2]["X"][:, :3], "y": bad[2]["y"]}
+    with pytest.raises(ValueError, match=r"client 2's data key 'X' has rows of shape \(3,\)"):
+        run_loopback(spec, bad)
+    bad = [dict(c) for c in clients]
+    bad[1] = {"X": bad[1]["X"]}
+    with pytest.raises(ValueError, match=r"client 1's data has keys \['X'\].*missing: \['y'\]"):
+        run_loopback(spec, bad)
+    bad = [dict(c) for c in clients]
+    bad[3] = {"X": bad[3]["X"], "y": bad[3]["y"][:-1]}
+    with pytest.raises(ValueError, match="client 3's data keys have different numbers of rows"):
+        run_loopback(spec, bad)
+    with pytest.raises(ValueError, match="`batch_size`=1000 exceeds the size of client"):
+        run_loopback(_spec(model="models:logistic_regression", num_clients=B, num_samples=2,
+                           batch_size=1000), clients)

@@ -222,6 +222,8 @@ def _quantize_codec(name: str, d: int, s: int, comp: Compressor) -> WireCodec:
         v_hat, bits = comp(key, v)
         v_hat = np.asarray(v_hat, np.float32)
         norm = np.float32(norm_fn(jnp.asarray(v, jnp.float32)))
+        if not (np.isfinite(norm) and np.all(np.isfinite(v_hat))):
+            raise ValueError(f"{name}: cannot code a message with a non-finite norm or values")
         if norm > 0:
             lvl = np.rint(np.abs(v_hat) * np.float32(s) / norm).astype(np.int64)
         else:

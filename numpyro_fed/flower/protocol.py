@@ -78,7 +78,7 @@ from numpyro_fed.flower.codecs import (
     compressor_from_name,
     dense_codec,
 )
-from numpyro_fed.kernels.base import langevin_move
+from numpyro_fed.kernels.base import DivergenceError, check_step_size, langevin_move
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential
 
@@ -97,6 +97,48 @@ log = logging.getLogger("numpyro_fed.flower")
 _ALGORITHMS = ("qlsd", "delf", "pelf", "belf")
 _SHADOW = ("pelf", "belf")  # algorithms with the EF21-P shadow model w
 _SEARCH_METHODS = ("bb", "adam")
+
+
+_NAMES = {"qlsd": "QLSD", "delf": "D-ELF", "pelf": "P-ELF", "belf": "B-ELF"}
+
+
+def kernel_display_name(spec: FlowerSpec) -> str:
+    """The name of the deployed kernel in messages, as the in-process kernel writes it."""
+    base = _NAMES[spec.algorithm]
+    return f"{base}{spec.variant}" if spec.algorithm == "qlsd" else base
+
+
+def divergence_message(spec: FlowerSpec, iteration: int, detail: str = "") -> str:
+    """The message of the :class:`~numpyro_fed.kernels.base.DivergenceError` of a deployment:
+    the in-process kernel's message (same kernel name, iteration and ``step_size``), with
+    ``detail`` (e.g. which client found it) appended."""
+    from numpyro_fed.kernels.langevin import _DIVERGED
+
+    msg = _DIVERGED.format(kernel=kernel_display_name(spec), step_size=spec.step_size)
+    msg = msg.format(iteration=iteration, chain="")
+    return f"{msg} {detail}".rstrip()
+
+
+def _int_arg(value: Any, name: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"`{name}` must be an int >= {low}, got {value!r}.")
+    if value < low:
+        raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+    return int(value)
+
+
+def _float_arg(value: Any, name: str, *, low: float, low_open: bool = True,
+               high: float = math.inf, what: str = "") -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"`{name}` must be a number{what}, got {value!r}.") from err
+    below = v <= low if low_open else v < low
+    if not math.isfinite(v) or below or v > high:
+        rng = f"{'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else (
+            f"> {low:g}" if low_open else f">= {low:g}")
+        raise ValueError(f"`{name}` must be finite and {rng}{what}, got {value!r}.")
+    return v
 
 
 def load_model(ref: str) -> Callable:
@@ -189,15 +231,33 @@ class FlowerSpec:
             raise ValueError(
                 f"QLSD `variant` must be '#', '*' or '++', got {self.variant!r}."
             )
-        if self.num_clients < 1 or self.num_samples < 1:
-            raise ValueError("`num_clients` and `num_samples` must be >= 1.")
+        self.num_clients = _int_arg(self.num_clients, "num_clients", 1)
+        self.num_samples = _int_arg(self.num_samples, "num_samples", 1)
+        self.step_size = check_step_size(self.step_size)
+        self.batch_size = _int_arg(self.batch_size, "batch_size", 0)  # 0: exact gradients
+        self.refresh_every = _int_arg(self.refresh_every, "refresh_every", 1)
+        self.theta_star_maxiter = _int_arg(self.theta_star_maxiter, "theta_star_maxiter", 0)
+        self.seed = _int_arg(self.seed, "seed", 0)
+        self.memory_rate = _float_arg(self.memory_rate, "memory_rate", low=0.0, low_open=False,
+                                      high=1.0, what=" (0 switches QLSD's memory off)")
+        self.likelihood_weight = _float_arg(self.likelihood_weight, "likelihood_weight",
+                                            low=0.0)
+        self.round_timeout = _float_arg(self.round_timeout, "round_timeout", low=0.0,
+                                        what=" (seconds)")
+        self.theta_star_gtol = _float_arg(self.theta_star_gtol, "theta_star_gtol", low=0.0)
+        self.theta_star_lr = _float_arg(self.theta_star_lr, "theta_star_lr", low=0.0)
+        for name in ("compressor", "downlink"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise TypeError(f"`{name}` must be a compressor name such as 'identity', "
+                                f"'quantize(s=16)' or 'top_k(k=2)', got {value!r}.")
         if self.prior not in ("split", "size", "server"):
             raise ValueError(f"`prior` must be 'split', 'size' or 'server', got {self.prior!r}.")
         if self.init not in ("uniform", "zeros"):
             raise ValueError(f"`init` must be 'uniform' or 'zeros', got {self.init!r}.")
         self.participation = check_participation(self.participation)
-        comp = compressor_from_name(self.compressor)
-        down = compressor_from_name(self.downlink)
+        comp = _compressor_arg(self.compressor, "compressor")
+        down = _compressor_arg(self.downlink, "downlink")
         alg = self.algorithm
         if alg == "qlsd" and not comp.unbiased:
             raise ValueError(f"QLSD needs an unbiased compressor, got {self.compressor}.")
@@ -243,8 +303,7 @@ class FlowerSpec:
                 f"`theta_star_method` must be one of {_SEARCH_METHODS} in the deployment (BFGS's "
                 f"line search is not distributed), got {self.theta_star_method!r}."
             )
-        if self.theta_star_maxiter < 0 or not self.theta_star_gtol > 0:
-            raise ValueError("`theta_star_maxiter` must be >= 0 and `theta_star_gtol` > 0.")
+
 
     # -- (de)serialisation as flat scalars (Flower ConfigRecord / run_config) -------------
     def to_config(self) -> dict[str, Any]:
@@ -312,6 +371,16 @@ class FlowerSpec:
             "'#', '*' and '++') and ELF (D, P and B)."
         )
 
+def _compressor_arg(name: str, arg: str):
+    try:
+        return compressor_from_name(name)
+    except (TypeError, ValueError, KeyError) as err:
+        raise ValueError(
+            f"`{arg}`={name!r} is not a valid compressor ({err}); use e.g. 'identity', "
+            "'quantize(s=16)', 'top_k(k=2)' or 'scaled(quantize(s=16))'."
+        ) from err
+
+
 # ============================================================================ client
 class ClientWorker:
     """A client: its data, its :class:`~numpyro_fed.distributed.client.ClientProblem`, and the
@@ -338,6 +407,22 @@ class ClientWorker:
         self._problem_key: tuple | None = None
         self._codec: WireCodec | None = None
         self._down: WireCodec | None = None
+
+    def schema_error(self) -> str | None:
+        """Why this client's rows cannot be used (no keys, a scalar, keys with different
+        numbers of rows), or ``None``."""
+        if not self.rows:
+            return f"client {self.index} holds no data arrays"
+        counts = {}
+        for k, v in self.rows.items():
+            if v.ndim == 0:
+                return (f"client {self.index}'s data key {k!r} is a scalar; row data must "
+                        "have a leading row axis (put non-row values in `shared`)")
+            counts[k] = v.shape[0]
+        if len(set(counts.values())) > 1:
+            return (f"client {self.index}'s data keys have different numbers of rows "
+                    f"{counts}; every key must have one row per observation")
+        return None
 
     def schema(self) -> dict[str, Any]:
         """Shapes and dtypes of one row (no values) and the number of rows."""
@@ -418,6 +503,10 @@ class ClientWorker:
         """
         phase = cmd["phase"]
         if phase == "hello":
+            problem = self.schema_error()
+            if problem is not None:
+                return {"phase": "hello", "index": self.index,
+                        "data_error": problem}, np.zeros(0, np.uint8), state
             return {"phase": "hello", "index": self.index,
                     "schema": json.dumps(self.schema())}, np.zeros(0, np.uint8), state
         if "spec" in cmd:  # first contact: the run's settings, kept in the client's state
@@ -434,6 +523,8 @@ class ClientWorker:
         if phase in ("grad", "star"):  # QLSD*: search round / g* round, dense gradients
             theta = self._dense(arrays, "theta", dense)
             grad = np.asarray(prob.full_grad(theta), np.float32)
+            if not np.all(np.isfinite(grad)):
+                return _nonfinite_reply(phase, k), np.zeros(0, np.uint8), state
             payload, bits, dec = dense.compress(None, grad)
             if phase == "star":
                 state.update(theta_star=np.asarray(theta, np.float32), grad_star=dec)
@@ -445,6 +536,8 @@ class ClientWorker:
             else:
                 w = self._dense(arrays, "theta", dense)
             g = np.asarray(prob.full_grad(w), np.float32)
+            if not np.all(np.isfinite(g)):
+                return _nonfinite_reply(phase, k), np.zeros(0, np.uint8), state
             payload, bits, g_dec = dense.compress(None, g)
             state.update(g=g_dec, pending=np.zeros(0, np.float32), pending_round=-10)
             return {"phase": "init", "round": k, "bits": bits}, payload, state
@@ -479,7 +572,19 @@ class ClientWorker:
             if spec.algorithm != "pelf":  # EF21: compress the change of the estimator
                 h = h - jnp.asarray(state["g"])
             kc = client_key(k_up, self.index, b)
-        payload, bits, dec = self._codec.compress(kc, h)
+        # a non-finite message (the chain diverged; in process the next x is not finite):
+        # say so and send nothing, the server stops with a DivergenceError
+        if not bool(jnp.all(jnp.isfinite(h))):
+            return _nonfinite_reply(phase, k), np.zeros(0, np.uint8), state
+        try:
+            payload, bits, dec = self._codec.compress(kc, h)
+        except (ValueError, OverflowError):
+            v_hat, _ = compressor_from_name(spec.compressor)(kc, h)
+            if bool(jnp.all(jnp.isfinite(v_hat))):
+                raise
+            return _nonfinite_reply(phase, k), np.zeros(0, np.uint8), state
+        if not np.all(np.isfinite(dec)):
+            return _nonfinite_reply(phase, k), np.zeros(0, np.uint8), state
         if spec.algorithm != "pelf":
             state["pending"] = dec
             state["pending_round"] = k
@@ -518,6 +623,63 @@ class ClientWorker:
                 eta = state["eta"] = np.zeros(d, np.float32)
             h = h - jnp.asarray(eta)
         return h, client_key(k_comp, self.index, b)
+
+
+def _check_schemas(schemas: Mapping[int, Mapping], sizes: np.ndarray,
+                   spec: FlowerSpec) -> dict:
+    """Check that every client holds the same keys with the same row shape and dtype (the
+    schemas announced at ``hello``), and enough rows for ``spec.batch_size``; return the
+    common schema.
+
+    :raises ValueError: naming the client and the key.
+    """
+    ref_i = min(schemas)
+    ref = schemas[ref_i]
+    for i in sorted(schemas):
+        rows = schemas[i]
+        if set(rows) != set(ref):
+            extra, lost = sorted(set(rows) - set(ref)), sorted(set(ref) - set(rows))
+            raise ValueError(
+                f"client {i}'s data has keys {sorted(rows)} but client {ref_i}'s has "
+                f"{sorted(ref)} (" + "; ".join(
+                    t for t in (f"extra: {extra}" if extra else "",
+                                f"missing: {lost}" if lost else "") if t)
+                + "): every client must hold the same model keywords."
+            )
+        for key in sorted(rows):
+            shape, dtype = rows[key]
+            rshape, rdtype = ref[key]
+            if list(shape) != list(rshape):
+                raise ValueError(
+                    f"client {i}'s data key {key!r} has rows of shape {tuple(shape)} but "
+                    f"client {ref_i}'s has {tuple(rshape)}: every client's {key!r} must be an "
+                    f"array of shape (num_rows, {', '.join(map(str, rshape))})"
+                    .replace(", )", ")") + " (one row per observation)."
+                )
+            if np.dtype(dtype).kind != np.dtype(rdtype).kind:
+                raise ValueError(
+                    f"client {i}'s data key {key!r} has dtype {dtype} but client {ref_i}'s "
+                    f"has {rdtype}: convert every client's {key!r} to the same dtype."
+                )
+        if int(sizes[i]) < 1:
+            raise ValueError(f"client {i} holds no rows; every client needs at least one.")
+        if spec.batch_size > int(sizes[i]):
+            raise ValueError(
+                f"`batch_size`={spec.batch_size} exceeds the size of client {i}, which holds "
+                f"{int(sizes[i])} rows; use batch_size <= {int(sizes.min())} or 0 (exact "
+                "local gradients)."
+            )
+    return dict(ref)
+
+
+def _nonfinite_reply(phase: str, k: int) -> dict[str, Any]:
+    """A client's reply when its message is not finite (the chain diverged): no payload,
+    the flag ``nonfinite``; the server stops with a DivergenceError."""
+    return {"phase": phase, "round": k, "bits": 0, "nonfinite": 1}
+
+
+_PHASE_LABEL = {"grad": "QLSD* theta* search", "star": "QLSD* g* round",
+                "init": "ELF initial round"}
 
 
 # ============================================================================ server
@@ -624,7 +786,7 @@ class ServerCoordinator:
             {n: ({"phase": "hello"}, {}) for n in nodes}, "hello", -1, spec.round_timeout
         )
         index_of: dict[int, int] = {}
-        schema = None
+        schemas: dict[int, dict] = {}
         sizes = np.zeros(spec.num_clients, np.int64)
         for node, rep in replies.items():
             if rep.error is not None:
@@ -634,13 +796,16 @@ class ServerCoordinator:
             if not 0 <= i < spec.num_clients or i in index_of.values():
                 log.warning("node %s announced an invalid or duplicate client index %s", node, i)
                 continue
+            if "data_error" in rep.meta:
+                raise ValueError(f"Flower deployment: {rep.meta['data_error']}.")
             index_of[node] = i
             info = json.loads(rep.meta["schema"])
-            schema = schema or info["rows"]
+            schemas[i] = info["rows"]
             sizes[i] = int(info["size"])
         missing = sorted(set(range(spec.num_clients)) - set(index_of.values()))
         if missing:
             raise RuntimeError(f"clients {missing} did not answer the hello round")
+        schema = _check_schemas(schemas, sizes, spec)
         self.node_of = {i: n for n, i in index_of.items()}
         self._configured = np.zeros(spec.num_clients, bool)
         self.sizes = sizes
@@ -676,6 +841,10 @@ class ServerCoordinator:
                 log.warning("round %d: client %d did not answer in time", k, i)
                 continue
             reason = rep.error
+            if reason is None and int(rep.meta.get("nonfinite", 0)) and (
+                rep.meta.get("phase") == phase and int(rep.meta.get("round", -1)) == k
+            ):
+                raise self._client_divergence(phase, k, i)
             if reason is None:
                 try:
                     if rep.meta.get("phase") != phase or int(rep.meta.get("round", -1)) != k:
@@ -697,6 +866,31 @@ class ServerCoordinator:
             out[i] = (dec, nbits, rep.wire_bytes)
             self._configured[i] = True
         return out
+
+    def _client_divergence(self, phase: str, k: int, i: int) -> DivergenceError:
+        """The error when client ``i`` found its message of round ``k`` not finite. Its
+        iteration is the in-process kernel's: QLSD's message of round ``k`` moves
+        :math:`x_{k+1}` (iteration ``k + 1``); ELF's gradient estimator of round ``k`` moves
+        :math:`x_{k+2}`."""
+        spec = self.spec
+        if phase == "step":
+            it = k + 1 if spec.algorithm == "qlsd" else k + 2
+            err = DivergenceError(divergence_message(
+                spec, it, f"(client {i}'s message of round {k} is not finite.)"))
+            err.iteration = it
+            return err
+        return DivergenceError(
+            f"numpyro_fed: {kernel_display_name(spec)}: client {i}'s gradient in the "
+            f"{_PHASE_LABEL.get(phase, phase)} is not finite at the point the server sent; "
+            "check the model and the client's data for invalid values, or the initial point "
+            "(`init`, `init_params`)."
+        )
+
+    def _check_finite(self, x: jax.Array, iteration: int) -> None:
+        if not bool(jnp.all(jnp.isfinite(x))):
+            err = DivergenceError(divergence_message(self.spec, iteration))
+            err.iteration = iteration
+            raise err
 
     # -- one-off rounds ---------------------------------------------------------------------
     def _dense_round(self, phase: str, round_: int, arrays: Mapping[str, np.ndarray],
@@ -936,6 +1130,7 @@ class ServerCoordinator:
             requests, down_declared, down_payload = {}, 0, 0
             if shadow:
                 x_send = move(k_noise, x, server_grad(x) + g)
+                self._check_finite(x_send, k + 1)
                 k_down = random.split(k_alg, 3)[1]
                 payload, bits, dec = down.compress(k_down, x_send - w)
                 w = w + jnp.asarray(dec)
@@ -958,6 +1153,7 @@ class ServerCoordinator:
             else:
                 if alg == "delf":
                     x_send = move(k_noise, x, server_grad(x) + g)
+                    self._check_finite(x_send, k + 1)
                 else:
                     x_send = x
                     if uses_zeta and k % spec.refresh_every == 0:
@@ -1019,10 +1215,7 @@ class ServerCoordinator:
                 known[present] = k
                 self._prune(hist, known, 32 * d)
                 self.shadow_models[k] = np.asarray(w)
-            if not bool(jnp.all(jnp.isfinite(x))):
-                raise FloatingPointError(
-                    f"the chain became non-finite at round {k}; reduce step_size"
-                )
+            self._check_finite(x, k + 1)
             draws[k] = np.asarray(x)
             lg = self.log
             lg.asked.append(asked)
