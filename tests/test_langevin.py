@@ -306,3 +306,25 @@ def test_ula_without_potential_same_draws_and_divergence_check():
                 num_samples=200, progress_bar=False)
     with pytest.raises(DivergenceError, match=r"non-finite.*step_size=50"):
         mcmc.run(random.PRNGKey(0), X=X * 100, y=y)
+
+
+def test_extra_fields_of_hmc_work_or_say_why_not():
+    """`extra_fields` that NumPyro users request of HMC: collected where the kernel has them
+    (ULA/MALA potential_energy, MALA accept_prob), a clear AttributeError naming the field
+    and the reason otherwise."""
+    X, y = logistic_data(3, 100)
+    mala = MCMC(MALA(logistic_regression, step_size=1e-2), num_warmup=5, num_samples=5,
+                progress_bar=False)
+    mala.run(random.key(0), X=X, y=y, extra_fields=("potential_energy", "accept_prob"))
+    assert np.all(np.isfinite(mala.get_extra_fields()["potential_energy"]))
+    with pytest.raises(AttributeError, match="MALAState has no field 'diverging': MALA has no"):
+        mala.run(random.key(0), X=X, y=y, extra_fields=("diverging",))
+    part = gauss_clients()
+    fed = MCMC(FederatedLangevin(gauss_model, part, step_size=1e-3), num_warmup=0,
+               num_samples=2, progress_bar=False)
+    with pytest.raises(AttributeError, match=r"FedState has no field 'potential_energy': the "
+                                             r"federated kernels never evaluate U.*'bits_up'"):
+        fed.run(random.key(0), extra_fields=("potential_energy",))
+    with pytest.raises(AttributeError, match="ULA is unadjusted"):
+        MCMC(ULA(logistic_regression, step_size=1e-3), num_warmup=0, num_samples=2,
+             progress_bar=False).run(random.key(0), X=X, y=y, extra_fields=("accept_prob",))

@@ -397,3 +397,54 @@ def test_example_smoke(name, tmp_path):
     assert len(df) >= 2
     for ext in ("csv", "md", "png"):
         assert (tmp_path / f"{name}.{ext}").exists()
+
+
+# ------------------------------------------------------------- misuse: clear messages
+def scale_model(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0).expand([y.shape[-1]]).to_event(1))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    with numpyro.plate("data", y.shape[0]):
+        numpyro.sample("y", dist.Normal(mu, sigma).to_event(1), obs=y)
+
+
+@pytest.mark.parametrize("theta_star, match", [
+    ({"mu": np.zeros(2), "sigma": 1.0, "tau": 1.0}, r"unknown sites \['tau'\]"),
+    ({"mu": np.zeros(2)}, r"lacks the sites \['sigma'\]"),
+    ({"mu": np.zeros(3), "sigma": 1.0}, r"`theta_star\['mu'\]` has shape \(3,\), but site 'mu' "
+                                        r"has shape \(2,\)"),
+    ({"mu": np.zeros(2), "sigma": -1.0}, r"`theta_star\['sigma'\]` = -1.* outside the support "
+                                         r"of site 'sigma'"),
+    ({"mu": np.array([0.0, np.nan]), "sigma": 1.0}, r"`theta_star\['mu'\]` has non-finite"),
+])
+def test_theta_star_errors_name_the_site(theta_star, match):
+    kernel = QLSD(scale_model, gauss_clients(), variant="*", step_size=1e-3, bits=4,
+                  theta_star=theta_star)
+    mcmc = MCMC(kernel, num_warmup=0, num_samples=2, progress_bar=False)
+    with pytest.raises(ValueError, match=match):
+        mcmc.run(random.key(0))
+
+
+def test_int_seed_to_mcmc_run_says_how_to_make_a_key():
+    mcmc = MCMC(QLSD(gauss_model, gauss_clients(), step_size=1e-3, bits=4), num_warmup=0,
+                num_samples=2, progress_bar=False)
+    with pytest.raises(TypeError, match=r"rng_key.*jax\.random\.key\(0\).*PRNGKey\(0\)"):
+        mcmc.run(0)
+
+
+def test_sparse_participation_warns_with_the_expected_empty_rounds():
+    from numpyro_fed import ELF
+    from numpyro_fed.flower import FlowerSpec
+
+    part = gauss_clients()  # b = 4
+    with pytest.warns(UserWarning, match=r"`participation`=0.1 with 4 clients.*"
+                                         r"\(1-p\)\^b = 0.656.*about 656 empty rounds per 1000"):
+        QLSD(gauss_model, part, step_size=1e-3, bits=4, participation=0.1)
+    with pytest.warns(UserWarning, match=r"participation >= 0.438"):
+        ELF(gauss_model, part, variant="D", step_size=1e-3, uplink=compressors.top_k(1),
+            participation=0.2)
+    with pytest.warns(UserWarning, match=r"\(1-p\)\^b = 0.59"):
+        FlowerSpec(algorithm="qlsd", model="m:f", num_clients=5, step_size=1e-3,
+                   num_samples=2, participation=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        QLSD(gauss_model, part, step_size=1e-3, bits=4, participation=0.5)  # 6% empty

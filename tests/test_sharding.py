@@ -120,3 +120,29 @@ def test_server_sum_is_a_cross_device_reduction(result):
 def test_uneven_client_count_raises_clear_error(result):
     assert "not a multiple of the 4 devices" in result["uneven"]
     assert "jax.devices()[:k]" in result["uneven"]
+
+
+def test_parallel_chain_method_is_refused_with_the_supported_methods():
+    """The devices hold the clients: mapping chains over them too (chain_method='parallel',
+    i.e. pmap) is refused with a message naming the chain methods that work."""
+    import jax
+    import numpy as np
+    import numpyro
+    import numpyro.distributions as dist
+    from jax import random
+
+    from numpyro_fed import QLSD, ClientPartition
+    from numpyro_fed.distributed import shard_kernel
+
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    part = ClientPartition.from_clients(
+        [{"y": np.full(5, float(i), np.float32)} for i in range(len(jax.devices()) * 2)])
+    kern = shard_kernel(QLSD(model, part, step_size=1e-3, bits=4))
+    keys = random.split(random.key(0), len(jax.devices()))
+    with pytest.raises(ValueError, match=r"chain_method='parallel'.*'vectorized'.*'sequential'"):
+        jax.pmap(lambda k: kern.init(k, 0, None, (), {}).z)(keys)
+    kern.init(random.key(0), 0, None, (), {})  # outside pmap: fine

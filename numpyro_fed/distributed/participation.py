@@ -26,6 +26,13 @@ no client term (the memory :math:`\\eta` and the server's prior share still appl
 terms are updated only from messages that were applied, so :math:`\\eta = \\sum_i \\eta_i`
 keeps holding.
 
+**Empty rounds.** A round is empty with probability :math:`(1-p)^b`: it moves the chain by
+the server's prior share, the memory term and the Langevin noise only. When this expected
+fraction reaches :data:`EMPTY_ROUND_WARNING` (10%), the kernels and ``FlowerSpec`` warn
+(:class:`UserWarning`, :func:`warn_if_many_empty_rounds`) with the fraction and the expected
+number of empty rounds per 1000, and the smallest ``p`` that keeps it below 10%; they do not
+refuse, since a run with sparse participation is valid, only inefficient.
+
 **Error feedback (ELF).** No reweighting: an absent client's :math:`g_i` stays stale and
 the server adds only the applied corrections, so :math:`g = \\sum_i g_i` keeps holding
 (ELF paper, Sec. 2; EF21 with partial participation).
@@ -33,13 +40,18 @@ the server adds only the applied corrections, so :math:`g = \\sum_i g_i` keeps h
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 from jax import random
 
 __all__ = [
+    "EMPTY_ROUND_WARNING",
     "PARTICIPATION_SALT",
     "check_participation",
+    "empty_round_fraction",
+    "warn_if_many_empty_rounds",
     "participation_mask",
     "ratio_weights",
 ]
@@ -66,6 +78,34 @@ def check_participation(participation: float) -> float:
             f"a round; 1 = every client every round), got {participation!r}."
         )
     return p
+
+
+#: Expected fraction of empty rounds, :math:`(1-p)^b`, from which a warning is given.
+EMPTY_ROUND_WARNING = 0.1
+
+
+def empty_round_fraction(participation: float, num_clients: int) -> float:
+    """Expected fraction of rounds in which no client takes part, :math:`(1-p)^b`."""
+    return float((1.0 - participation) ** num_clients)
+
+
+def warn_if_many_empty_rounds(participation: float, num_clients: int,
+                              stacklevel: int = 3) -> float:
+    """Warn (:class:`UserWarning`) when at least :data:`EMPTY_ROUND_WARNING` of the rounds are
+    expected to have no client; return the expected fraction :math:`(1-p)^b`."""
+    frac = empty_round_fraction(participation, num_clients)
+    if participation < 1.0 and frac >= EMPTY_ROUND_WARNING:
+        p_min = 1.0 - EMPTY_ROUND_WARNING ** (1.0 / num_clients)
+        warnings.warn(
+            f"`participation`={participation:g} with {num_clients} clients: a round has no "
+            f"client with probability (1-p)^b = {frac:.3g}, i.e. about {1000 * frac:.0f} "
+            "empty rounds per 1000 (they move the chain by the prior, memory and noise "
+            f"only). Use participation >= {p_min:.3g} for fewer than "
+            f"{100 * EMPTY_ROUND_WARNING:.0f}% empty rounds.",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+    return frac
 
 
 def participation_mask(key: jax.Array, participation: float, num_clients: int) -> jax.Array:

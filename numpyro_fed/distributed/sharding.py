@@ -141,6 +141,13 @@ class _ShardedKernelMixin:
         return state._replace(extra=extra)
 
     def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
+        if isinstance(rng_key, jax.core.Tracer):
+            raise ValueError(
+                "shard_kernel shards the clients over the devices of its mesh, so its chains "
+                "cannot also be mapped over devices (MCMC(chain_method='parallel'), jax.pmap): "
+                "use chain_method='vectorized' (chains as an array axis, clients sharded) or "
+                "'sequential'."
+            )
         state = super().init(rng_key, num_warmup, init_params, model_args, model_kwargs)
         return self._shard_state(state)
 
@@ -167,7 +174,9 @@ def shard_kernel(kernel: Any, mesh: Mesh | Sequence[Any] | None = None) -> Any:
 
     :param kernel: a :class:`~numpyro_fed.kernels.langevin.FederatedKernel` (QLSD, ELF, ...).
     :param mesh: a mesh with a ``"clients"`` axis, a sequence of devices, or ``None``.
-    :raises ValueError: when the number of clients is not a multiple of the device count.
+    :raises ValueError: when the number of clients is not a multiple of the device count;
+        at ``init`` under ``MCMC(chain_method="parallel")`` (or ``jax.pmap``): the devices
+        hold clients, so chains run ``"vectorized"`` or ``"sequential"``.
     """
     from numpyro_fed.kernels.langevin import FederatedKernel
 

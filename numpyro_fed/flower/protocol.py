@@ -70,7 +70,11 @@ import numpy as np
 from jax import random
 
 from numpyro_fed.distributed.client import ClientProblem, client_key
-from numpyro_fed.distributed.participation import check_participation, participation_mask
+from numpyro_fed.distributed.participation import (
+    check_participation,
+    participation_mask,
+    warn_if_many_empty_rounds,
+)
 from numpyro_fed.flower.codecs import (
     WireCodec,
     WireFormatError,
@@ -256,6 +260,7 @@ class FlowerSpec:
         if self.init not in ("uniform", "zeros"):
             raise ValueError(f"`init` must be 'uniform' or 'zeros', got {self.init!r}.")
         self.participation = check_participation(self.participation)
+        warn_if_many_empty_rounds(self.participation, self.num_clients, stacklevel=4)
         comp = _compressor_arg(self.compressor, "compressor")
         down = _compressor_arg(self.downlink, "downlink")
         alg = self.algorithm
@@ -973,7 +978,9 @@ class ServerCoordinator:
                         f"{list(pot.latent_names)}; a bare array is accepted only for one site."
                     )
                 value = {pot.latent_names[0]: value[""]}
-            theta = pot.unconstrain({k: np.asarray(v) for k, v in value.items()})
+            from numpyro_fed.kernels.qlsd import check_theta_star
+
+            theta = check_theta_star(pot, {k: np.asarray(v) for k, v in value.items()})
             theta = jnp.asarray(theta, pot.dtype)
             search = ThetaStarSearch("user", 0, 0, 0, float("nan"), True)
         else:

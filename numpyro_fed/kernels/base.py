@@ -43,9 +43,22 @@ class DivergenceError(FloatingPointError):
 
 
 def split_chain_keys(rng_key) -> tuple[bool, Any]:
-    """Return ``(vectorized, keys)``: a single key, or a batch of per-chain keys."""
+    """Return ``(vectorized, keys)``: a single key, or a batch of per-chain keys.
+
+    :raises TypeError: for anything but a JAX PRNG key or a batch of them (e.g. an int
+        seed), saying how to make a key.
+    """
     if is_prng_key(rng_key):
         return False, rng_key
+    arr = rng_key if isinstance(rng_key, jax.Array) else None
+    typed = arr is not None and jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key)
+    legacy = arr is not None and arr.dtype == jnp.uint32 and arr.ndim == 2 and arr.shape[-1] == 2
+    if not (typed and arr.ndim == 1) and not legacy:
+        raise TypeError(
+            f"`rng_key` must be a JAX random key, got {type(rng_key).__name__} {rng_key!r}: "
+            "NumPyro's MCMC.run takes a key, not an int seed; use "
+            "mcmc.run(jax.random.key(0)) or mcmc.run(jax.random.PRNGKey(0))."
+        )
     return True, rng_key
 
 

@@ -47,7 +47,11 @@ from jax import random
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed.compressors import Compressor, get_compressor, identity
-from numpyro_fed.distributed.participation import check_participation, participation_mask
+from numpyro_fed.distributed.participation import (
+    check_participation,
+    participation_mask,
+    warn_if_many_empty_rounds,
+)
 from numpyro_fed.kernels.base import langevin_move
 from numpyro_fed.kernels.langevin import FederatedKernel
 from numpyro_fed.partition import ClientPartition
@@ -262,6 +266,7 @@ class ELF(FederatedKernel):
         self.uplink = up
         self.downlink = down
         self.w0 = w0
+        warn_if_many_empty_rounds(self.participation, partition.num_clients)
         self._compress_up = compress_up
         self._compress_down = compress_down
         self.name = f"{variant}-ELF"

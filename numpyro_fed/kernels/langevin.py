@@ -63,6 +63,39 @@ _DIVERGED = (
 )
 
 
+_FIELD_HINTS = {
+    ("FedState", "potential_energy"): (
+        "the federated kernels never evaluate U on all the data (clients send gradients "
+        "only); evaluate it on the draws afterwards, e.g. with "
+        "kernel.potential.potential(x, kernel.partition) on raveled draws, or use ULA/MALA "
+        "on the pooled data"),
+    ("FedState", "accept_prob"): "the federated kernels are unadjusted (no accept step)",
+    ("LangevinState", "accept_prob"): "ULA is unadjusted (no accept step); MALA records it",
+    ("FedState", "diverging"): (
+        "a chain that becomes non-finite stops the run with numpyro_fed.DivergenceError"),
+    ("LangevinState", "diverging"): (
+        "a chain that becomes non-finite stops the run with numpyro_fed.DivergenceError"),
+    ("MALAState", "diverging"): (
+        "MALA has no energy-error divergence: a non-finite chain stops the run with "
+        "numpyro_fed.DivergenceError, and non-finite proposals are rejected"),
+}
+
+
+def _missing_field(state: Any, name: str) -> AttributeError:
+    """The error for a field NumPyro users request of HMC (``extra_fields=...``) that this
+    kernel's state does not have: it names the field, says why, and lists what exists."""
+    cls = type(state).__name__
+    if name.startswith("__"):
+        return AttributeError(name)
+    hint = _FIELD_HINTS.get((cls, name))
+    props = [n for n in ("bits_up", "bits_down") if hasattr(type(state), n)]
+    return AttributeError(
+        f"{cls} has no field {name!r}" + (f": {hint}" if hint else "") + ". Fields that "
+        f"`extra_fields` can collect: {list(state._fields) + props} (and dotted sub-fields "
+        "such as 'extra.participants')."
+    )
+
+
 # ============================================================================ ULA / MALA
 class LangevinState(NamedTuple):
     """State of :class:`ULA`.
@@ -83,6 +116,14 @@ class LangevinState(NamedTuple):
     z_grad: jax.Array
     rng_key: jax.Array
     guard: DivergenceGuard
+
+    def __getattr__(self, name: str):
+        raise _missing_field(self, name)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):  # NumPyro's field getter tries state[name] after getattr
+            raise _missing_field(self, key)
+        return tuple.__getitem__(self, key)
 
 
 class MALAState(NamedTuple):
@@ -111,6 +152,14 @@ class MALAState(NamedTuple):
     adapt_state: tuple
     rng_key: jax.Array
     guard: DivergenceGuard
+
+    def __getattr__(self, name: str):
+        raise _missing_field(self, name)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):  # NumPyro's field getter tries state[name] after getattr
+            raise _missing_field(self, key)
+        return tuple.__getitem__(self, key)
 
 
 class _ModelLangevinBase(MCMCKernel):
@@ -443,6 +492,14 @@ class FedState(NamedTuple):
     rng_key: jax.Array
     data: ClientPartition
     guard: DivergenceGuard
+
+    def __getattr__(self, name: str):
+        raise _missing_field(self, name)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):  # NumPyro's field getter tries state[name] after getattr
+            raise _missing_field(self, key)
+        return tuple.__getitem__(self, key)
 
     @property
     def bits_up(self) -> jax.Array:

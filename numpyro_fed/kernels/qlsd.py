@@ -61,6 +61,7 @@ from numpyro_fed.distributed.participation import (
     check_participation,
     participation_mask,
     ratio_weights,
+    warn_if_many_empty_rounds,
 )
 from numpyro_fed.kernels.base import langevin_move, split_chain_keys
 from numpyro_fed.kernels.langevin import FederatedKernel
@@ -76,6 +77,7 @@ __all__ = [
     "ThetaStarSearch",
     "VARIANTS",
     "find_theta_star",
+    "check_theta_star",
 ]
 
 #: Accepted spellings of the three variants, mapped to their canonical names.
@@ -123,6 +125,40 @@ class ThetaStarSearch(NamedTuple):
     bits_down: int
     grad_norm: float
     converged: bool
+
+
+def check_theta_star(pot, value: Mapping[str, Any]) -> jax.Array:
+    """Validate QLSD*'s user-given :math:`\\theta^\\star` (constrained site values) against the
+    model's latent sites and return it flat and unconstrained.
+
+    :raises ValueError: naming the site for an unknown or missing site, a wrong shape, a
+        non-finite value or a value outside the site's support.
+    """
+    names = list(pot.latent_names)
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise ValueError(f"`theta_star` has unknown sites {unknown}; the model's latent sites "
+                         f"are {names}.")
+    missing = sorted(set(names) - set(value))
+    if missing:
+        raise ValueError(f"`theta_star` lacks the sites {missing}: give a constrained value for "
+                         f"every latent site {names} (or theta_star=None to search for it).")
+    proto = pot.constrain(jnp.zeros(pot.dim, pot.dtype), deterministic=False)
+    for name in names:
+        v = np.asarray(value[name], np.float64)
+        want = tuple(np.shape(proto[name]))
+        if v.shape != want:
+            raise ValueError(f"`theta_star[{name!r}]` has shape {v.shape}, but site {name!r} has "
+                             f"shape {want}.")
+        if not np.all(np.isfinite(v)):
+            raise ValueError(f"`theta_star[{name!r}]` has non-finite values.")
+        t = pot._inv_transforms[name]
+        u = np.asarray(t.inv(jnp.asarray(v, pot.dtype)))
+        if not np.all(np.isfinite(u)):
+            raise ValueError(
+                f"`theta_star[{name!r}]` = {np.array2string(v, precision=4)} is outside the "
+                f"support of site {name!r} ({t.codomain}); give a value inside it.")
+    return pot.unconstrain(value)
 
 
 def _canonical_variant(variant: str) -> str:
@@ -327,6 +363,7 @@ class QLSD(FederatedKernel):
             model, partition, step_size=step_size, batch_size=batch_size,
             compressor=compressor, init_strategy=init_strategy, **kwargs,
         )
+        warn_if_many_empty_rounds(self.participation, partition.num_clients)
         comp = self.compressor
         if not comp.unbiased or comp.omega is None:
             raise ValueError(
@@ -387,7 +424,7 @@ class QLSD(FederatedKernel):
                         f"{list(pot.latent_names)}; an array is accepted only for one site."
                     )
                 value = {pot.latent_names[0]: value}
-            theta = pot.unconstrain(value).astype(pot.dtype)
+            theta = check_theta_star(pot, value).astype(pot.dtype)
             search = ThetaStarSearch("user", 0, 0, 0, float("nan"), True)
         else:
             vectorized, key = split_chain_keys(rng_key)
