@@ -1,6 +1,6 @@
 """NumPyro MCMC kernels: ULA, MALA and the federated Langevin family."""
 
-from numpyro_fed.kernels.base import DivergenceError
+from numpyro_fed.kernels.base import DivergenceError, DivergenceGuard
 from numpyro_fed.kernels.elf import BELF, DELF, ELF, PELF, ELFState
 from numpyro_fed.kernels.langevin import (
     MALA,
@@ -24,6 +24,7 @@ __all__ = [
     "QLSDSharp",
     "QLSDStar",
     "DivergenceError",
+    "DivergenceGuard",
     "FedState",
     "FederatedKernel",
     "FederatedLangevin",
