@@ -290,6 +290,32 @@ def test_diverging_deployment_stops_with_the_in_process_error(problem, name):
     assert deployed.value.iteration == inproc.value.iteration
 
 
+def test_a_diverging_server_app_is_raised_by_the_launching_process(problem, tmp_path):
+    """Multi-process deployments: the ServerApp writes its DivergenceError next to the
+    output file before it propagates, and run_processes raises it again in the launching
+    process (tested here without processes: the ServerApp's body over a LoopbackGrid)."""
+    from numpyro_fed import DivergenceError
+    from numpyro_fed.flower.apps import error_path, make_client_app, serve_and_write
+    from numpyro_fed.flower.runner import LoopbackGrid, raise_server_error
+
+    part, clients = problem
+    kernel = DELF(logistic_regression, part, step_size=5.0, uplink=compressors.top_k(2))
+    spec = FlowerSpec.from_kernel(kernel, "models:logistic_regression", num_samples=200, seed=3)
+    app = make_client_app(lambda ctx: (int(ctx.node_config["partition-id"]),
+                                       clients[int(ctx.node_config["partition-id"])], {}))
+    grid = LoopbackGrid(app, [{"partition-id": i} for i in range(len(clients))])
+    out = tmp_path / "draws.nc"
+    with pytest.raises(DivergenceError) as server:
+        serve_and_write(grid, spec, out)
+    assert not out.exists() and (tmp_path / "draws.nc.error.json").exists()
+    assert error_path(out).endswith(".error.json")
+    with pytest.raises(DivergenceError, match="step_size") as launcher:
+        raise_server_error(out, tmp_path / "logs")
+    assert launcher.value.iteration == server.value.iteration
+    assert str(launcher.value).startswith(str(server.value).split("\n")[0])
+    raise_server_error(tmp_path / "other.nc")  # no error file: nothing to raise
+
+
 def _spec(**kw):
     base = dict(algorithm="qlsd", model="m:f", num_clients=2, step_size=1e-3, num_samples=2)
     return FlowerSpec(**{**base, **kw})

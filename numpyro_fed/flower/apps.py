@@ -19,9 +19,12 @@ The client keeps its state in ``context.state`` (records ``numpyro_fed.arrays`` 
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +34,7 @@ from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid, ServerApp
 
 from numpyro_fed.flower.protocol import ClientWorker, FlowerSpec, Reply, ServerCoordinator
+from numpyro_fed.kernels.base import DivergenceError
 
 __all__ = [
     "make_client_app",
@@ -38,6 +42,8 @@ __all__ = [
     "GridTransport",
     "load_npz_data",
     "serve",
+    "serve_and_write",
+    "error_path",
     "content_bytes",
 ]
 
@@ -214,6 +220,12 @@ class PollingGrid(Grid):
         return replies
 
 
+def error_path(output: str | os.PathLike) -> str:
+    """Where a server that stopped with a :class:`~numpyro_fed.DivergenceError` writes it
+    (JSON, next to ``output``), so that the process that launched the run raises it."""
+    return f"{output}.error.json"
+
+
 def make_server_app(spec: FlowerSpec | None = None, *, output: str | None = None,
                     poll_interval: float | None = None, **kwargs: Any) -> ServerApp:
     """A Flower ``ServerApp`` running the kernel's server step.
@@ -230,16 +242,32 @@ def make_server_app(spec: FlowerSpec | None = None, *, output: str | None = None
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        from numpyro_fed.flower.runner import to_inference_data
-
         s = spec or FlowerSpec.from_config(context.run_config)
         if poll_interval is not None:
             grid = PollingGrid(grid, poll_interval)
-        coord = serve(grid, s, **kwargs)
         path = output or context.run_config.get("output")
-        if path:
-            to_inference_data(coord).to_netcdf(str(path))
-            log.info("numpyro_fed: draws written to %s", path)
-        app.numpyro_fed_result = coord
+        app.numpyro_fed_result = serve_and_write(grid, s, path, **kwargs)
 
     return app
+
+
+def serve_and_write(grid: Grid, spec: FlowerSpec, path: str | os.PathLike | None,
+                    **kwargs: Any) -> ServerCoordinator:
+    """The body of the ``ServerApp``: run the server, write the draws to ``path`` (NetCDF)
+    when given. A :class:`~numpyro_fed.DivergenceError` is also written, to
+    :func:`error_path` of ``path``, before it propagates, so that the process that launched
+    the run raises it in turn (:func:`~numpyro_fed.flower.runner.run_processes`)."""
+    from numpyro_fed.flower.runner import to_inference_data
+
+    try:
+        coord = serve(grid, spec, **kwargs)
+    except DivergenceError as err:
+        if path:
+            Path(error_path(path)).write_text(json.dumps({
+                "type": "DivergenceError", "message": str(err).split("\n")[0],
+                "iteration": err.iteration, "chain": err.chain}))
+        raise
+    if path:
+        to_inference_data(coord).to_netcdf(str(path))
+        log.info("numpyro_fed: draws written to %s", path)
+    return coord

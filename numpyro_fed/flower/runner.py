@@ -15,6 +15,7 @@ TLS with a throwaway CA (:func:`make_tls_files`).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -32,8 +33,9 @@ from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.serverapp import Grid
 
-from numpyro_fed.flower.apps import make_client_app, serve
+from numpyro_fed.flower.apps import error_path, make_client_app, serve
 from numpyro_fed.flower.protocol import FlowerSpec, ServerCoordinator
+from numpyro_fed.kernels.base import DivergenceError
 
 __all__ = [
     "LoopbackGrid",
@@ -145,6 +147,19 @@ class LoopbackGrid(Grid):
 
     def send_and_receive(self, messages, *, timeout=None):
         return self.pull_messages(self.push_messages(list(messages)))
+
+
+def raise_server_error(output: str | os.PathLike, logs: str | os.PathLike = "") -> None:
+    """Raise, in the launching process, the :class:`~numpyro_fed.DivergenceError` that the
+    ``ServerApp`` of a deployment writing to ``output`` stopped with (see
+    :func:`~numpyro_fed.flower.apps.serve_and_write`); nothing if it did not."""
+    err_file = Path(error_path(output))
+    if not err_file.exists():
+        return
+    info = json.loads(err_file.read_text())
+    err = DivergenceError(f"{info['message']} (Flower run; logs in {logs})")
+    err.iteration, err.chain = info.get("iteration"), info.get("chain")
+    raise err
 
 
 def run_loopback(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]], *,
@@ -626,8 +641,9 @@ def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
     for d in (home, data, logs):
         d.mkdir(parents=True, exist_ok=True)
     output = work / "draws.nc"
-    if output.exists():
-        output.unlink()
+    for stale in (output, Path(error_path(output))):
+        if stale.exists():
+            stale.unlink()
     app = write_app(work / "app", spec, output, poll_interval=poll_interval)
     link_port, *node_ports = _free_ports(1 + len(clients))
     penv = {**os.environ, "HOME": str(home), "FLWR_HOME": str(home),
@@ -685,6 +701,7 @@ def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"the Flower run did not end within {timeout:.0f} s; logs in "
                                f"{logs}:\n{_tail(run_log)}") from None
+        raise_server_error(output, logs)
         if not output.exists():
             raise RuntimeError(f"the Flower run ended without writing {output}; logs in "
                                f"{logs}:\n{_tail(run_log)}")
