@@ -310,9 +310,12 @@ class FederatedPotential:
         pooled = {**partition.pooled(), **self.shared}
         self._pooled_kwargs = pooled
         try:
-            info = initialize_model(
-                random.PRNGKey(0), model, model_kwargs=pooled, init_strategy=init_to_uniform
-            )
+            with warnings.catch_warnings():  # discrete latents are refused below
+                warnings.filterwarnings("ignore", "Some algorithms will automatically enumerate",
+                                        FutureWarning)
+                info = initialize_model(
+                    random.PRNGKey(0), model, model_kwargs=pooled, init_strategy=init_to_uniform
+                )
         except Exception:
             self._check_sites(info=None)  # a clearer error for the common causes, if any
             raise
