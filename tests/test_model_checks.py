@@ -290,3 +290,48 @@ def test_predictive_on_the_kernel_model_uses_new_data():
     # no data arguments: the pooled data stay bound (ArviZ's replay); y is observed
     pred = Predictive(kernel.model, samples)(random.PRNGKey(1))
     np.testing.assert_array_equal(np.sort(np.asarray(pred["y"][0])), np.sort(y))
+
+
+# ------------------------------------------------------------ rows back to the user's order
+def test_loo_pareto_k_maps_back_to_the_users_row():
+    """`iid` shuffles rows across clients; the pointwise log-likelihood and the observed data
+    come back in the user's order with the original row index, so the planted outlier's
+    Pareto k is found at its own index (before: pooled client order, `y_dim_0` = 0..N-1)."""
+    import arviz as az
+    from numpyro.infer import MCMC
+
+    from numpyro_fed import FederatedLangevin, to_inference_data
+
+    rng = np.random.default_rng(1)
+    y = rng.normal(size=80).astype(np.float32)
+    y[17] = 12.0  # the outlier
+    x = np.ones(80, np.float32)
+
+    def model(x, y=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("y", dist.Normal(mu * x, 1.0), obs=y)
+
+    part = ClientPartition.iid({"x": x, "y": y}, 5, key=random.PRNGKey(3))
+    assert not np.array_equal(part.original_index(), np.arange(80))  # shuffled
+    mcmc = MCMC(FederatedLangevin(model, part, step_size=2e-3), num_warmup=200,
+                num_samples=400, num_chains=2, chain_method="vectorized", progress_bar=False)
+    mcmc.run(random.PRNGKey(0))
+    idata = to_inference_data(mcmc)
+    ll = idata.log_likelihood["y"]
+    assert ll.dims == ("chain", "draw", "y_dim_0")
+    np.testing.assert_array_equal(ll["y_dim_0"].values, np.arange(80))
+    obs = idata.observed_data["y"]
+    assert obs.dims == ("y_dim_0",)
+    np.testing.assert_array_equal(obs.values, y)  # the user's order
+    # the client coordinate says where each user row went
+    client_of = {int(r): i for i in range(5) for r in part.row_index[i] if r >= 0}
+    np.testing.assert_array_equal(ll["client"].values.astype(int),
+                                  [client_of[r] for r in range(80)])
+    loo = az.loo(idata, pointwise=True)
+    k = loo.pareto_k
+    assert int(k["y_dim_0"].values[int(np.argmax(k.values))]) == 17
+    # the pointwise values are those of the user's rows
+    mu = np.asarray(mcmc.get_samples(group_by_chain=True)["mu"])
+    ref = dist.Normal(mu[..., None], 1.0).log_prob(y).astype(np.float32)
+    np.testing.assert_allclose(ll.values, ref, rtol=1e-5, atol=1e-5)
