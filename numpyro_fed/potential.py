@@ -71,9 +71,11 @@ def _is_log_det_site(name: str, latent: set[str]) -> bool:
     return name.startswith("_") and name.endswith("_log_det") and name[1:-8] in latent
 
 
-def _site_log_densities(model, kwargs: Mapping[str, Any], params: Mapping[str, Array]) -> dict:
-    """Summed log-density of every ``sample`` site (latent, observed, ``numpyro.factor`` and
-    log-Jacobian sites) of ``model`` at unconstrained ``params``, by site name."""
+def _site_log_densities(model, kwargs: Mapping[str, Any], params: Mapping[str, Array],
+                        summed: bool = True) -> dict:
+    """Log-density (summed unless ``summed`` is false) and observedness of every ``sample``
+    site (latent, observed, ``numpyro.factor`` and log-Jacobian sites) of ``model`` at
+    unconstrained ``params``, by site name."""
     seeded = handlers.seed(model, rng_seed=0)
     subs = handlers.substitute(seeded, substitute_fn=partial(_unconstrain_reparam, params))
     tr = handlers.trace(subs).get_trace(**kwargs)
@@ -86,7 +88,7 @@ def _site_log_densities(model, kwargs: Mapping[str, Any], params: Mapping[str, A
             lp = site["scale"] * lp
         if site.get("mask") is not None:
             lp = jnp.where(site["mask"], lp, 0.0)
-        out[name] = (jnp.sum(lp), site["is_observed"])
+        out[name] = (jnp.sum(lp) if summed else lp, site["is_observed"])
     return out
 
 
@@ -689,6 +691,27 @@ class FederatedPotential:
                     "latents with numpyro_fed.saem or move them into the likelihood."
                 )
 
+    def _row_constant_shapes(self, z0: Array, observed: tuple[str, ...],
+                             sets: tuple[dict, ...]) -> bool:
+        """Whether some observed site's log-density has the same shape on one row and on
+        two rows (a candidate data-independent site). Traced only, nothing compiled: with
+        ``check=False`` (deployed clients) the value program runs only for such models."""
+        model, shared, unravel = self.model, self.shared, self.unravel
+
+        def shapes(rows):
+            lp = _site_log_densities(model, {**rows, **shared}, unravel(z0), summed=False)
+            return {k: v[0] for k, v in lp.items() if k in observed}
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                one, two = (jax.eval_shape(shapes, {k: v[0] for k, v in rows.items()})
+                            for rows in sets[:2])
+        except _CONCRETE_ERRORS as err:
+            first = {k: v[0] for k, v in sets[0].items()}
+            raise _control_flow_error(model, first, shared, err) from None
+        return any(k not in two or one[k].shape == two[k].shape for k in one)
+
     def _classify_sites(self, z0: Array, observed: tuple[str, ...], check: bool
                         ) -> tuple[str, ...]:
         """Evaluate every site's summed log-density at two unconstrained points on row sets
@@ -701,6 +724,8 @@ class FederatedPotential:
         log-density changes with the rows (a prior computed from the data)."""
         model, shared, unravel = self.model, self.shared, self.unravel
         sets = self._row_sets(check)
+        if not check and not self._row_constant_shapes(z0, observed, sets):
+            return ()  # every observed site grows with the rows: all are likelihood terms
         z1 = z0 + jnp.where(jnp.arange(z0.shape[0]) % 2 == 0, 0.37, -0.29).astype(z0.dtype)
         zs = jnp.stack([z0, z1])
 
