@@ -587,12 +587,14 @@ class FederatedPotential:
         if params is None:
             return None
         part = self.partition
-        unprovided = [a for a in params if a not in part.keys and a not in self.shared]
+        defaults = inspect.signature(self.model).parameters
+        unprovided = [a for a in params if a not in part.keys and a not in self.shared
+                      and defaults[a].default is None]
         if site is not None and site not in unprovided:
             return None
         if not unprovided:
             return None
-        name = site or unprovided[-1]
+        name = site or unprovided[0]
         return (
             f"the model's parameters are {params} and the partition has data keys "
             f"{part.keys}{' and shared keys ' + str(tuple(self.shared)) if self.shared else ''}"
