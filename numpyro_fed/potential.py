@@ -16,7 +16,12 @@ held by the server) and :math:`\\tau_i` is a likelihood weight (temperature, def
 
 The model is an ordinary NumPyro model. Its keyword arguments named in the partition are
 per-data-point arrays (leading axis = data points); the observed sites (and any
-``numpyro.factor``) must factorise over that axis, which is checked once at construction.
+``numpyro.factor``) must factorise over that axis, which is checked once at construction on
+row sets of the pooled data (also when every client holds one row). An observed site or
+factor that does not depend on the rows (a penalty) is held like the prior (counted once, in
+the prior shares :math:`w_i`); a prior computed from the data rows (``Normal(0, 1 / N)``,
+an autoscaled ``Normal(mean(x), 2.5 std(x))``) is refused with the site named: pass such
+values through the partition's ``shared=`` arguments.
 The log-likelihood of a batch of rows is computed by ``vmap``-ing the model over single rows,
 so padded rows can be masked exactly whatever the plate layout of the model.
 
@@ -232,8 +237,15 @@ class FederatedPotential:
         The default 1 gives the true posterior; the ELF paper's tempered target
         :math:`F = \\frac1b\\sum_i [\\frac1{N_i}\\sum_j \\ell_{ij} + \\frac\\lambda2\\|x\\|^2]`
         is ``likelihood_weight = 1/(b N_i)`` with ``prior="split"``.
-    :param check: verify once that the observed sites factorise over data rows and that no
-        latent site is local to a row.
+    :param check: verify once, on row sets of the pooled data, that the observed sites
+        factorise over data rows, that no latent site is local to a row and that no prior
+        depends on the rows; the model is also traced on abstract rows, so Python control
+        flow on data values is reported here. With ``check=False`` (deployed clients) the
+        data-independent observed sites are still found (a cheaper test on the first row).
+    :raises ValueError: naming the site, argument or key and the fix, for: a prior that
+        depends on the data rows, a non-factorising likelihood, a row-local or discrete
+        latent site, missing observations, Python control flow on data values, prior or
+        likelihood weights of the wrong length.
     """
 
     def __init__(
