@@ -7,8 +7,10 @@ observed data, pooled log-likelihood) and the per-step bits land in ``sample_sta
 
 * ``bits_up`` and ``bits_down`` as separate ``sample_stats`` variables;
 
-* a ``client`` coordinate on the observation axis of the log-likelihood (for LOO/WAIC per
-  client), or a leave-one-client-out log-likelihood (``log_likelihood="client"``);
+* the pointwise log-likelihood and the observed data in the user's row order, with the
+  original row index and a ``client`` coordinate on one row dimension (PSIS-LOO Pareto k
+  values map back to the user's rows), or a leave-one-client-out log-likelihood
+  (``log_likelihood="client"``);
 * the client sizes as ``constant_data``;
 * the cumulative communication (including warmup, thinned-out steps and one-off rounds) as
   ``sample_stats`` attributes.
@@ -69,13 +71,34 @@ def _pointwise(kernel: FederatedKernel, samples: dict, batch: int = 256) -> np.n
     return np.asarray(ll).reshape((chains, draws) + ll.shape[1:])
 
 
+def _rows_in_user_order(ds, num_rows: int, order: np.ndarray, row_dim: str, coords: dict):
+    """``observed_data`` (replayed on the pooled rows, in client order) with its row axis
+    named ``row_dim``, sorted in the user's row order, with the original row index as
+    coordinate (variables whose leading axis is not the rows are kept as they are)."""
+    out = {}
+    for name, da in ds.data_vars.items():
+        if da.ndim and da.shape[0] == num_rows:
+            da = da.rename({da.dims[0]: row_dim}).isel({row_dim: order})
+            da = da.drop_vars([c for c in da.coords if row_dim in da[c].dims])
+        out[name] = da
+    new = ds.__class__(out, attrs=ds.attrs)
+    if row_dim in new.dims:
+        new = new.assign_coords(coords)
+    return new
+
+
 def to_inference_data(mcmc, *, log_likelihood: str | bool = "row", **kwargs):
     """``az.from_numpyro`` plus client information for a federated run.
 
     :param mcmc: a finished :class:`numpyro.infer.MCMC` run with a federated kernel.
-    :param log_likelihood: ``"row"`` (pointwise log-likelihood of every pooled row with a
-        ``client`` coordinate, for PSIS-LOO / WAIC), ``"client"`` (summed per client: a
-        leave-one-client-out log-likelihood), or ``False``.
+    :param log_likelihood: ``"row"`` (pointwise log-likelihood of every row, for PSIS-LOO /
+        WAIC), ``"client"`` (summed per client: a leave-one-client-out log-likelihood), or
+        ``False``. The rows of ``log_likelihood`` and ``observed_data`` share one dimension
+        (``<site>_dim_0`` for a model with one observed site, else ``row``), are sorted in
+        the user's order and carry the original row index
+        (:meth:`~numpyro_fed.partition.ClientPartition.original_index`, which undoes the
+        shuffle of ``iid`` / ``dirichlet`` / ``power_law``) as coordinate, and a ``client``
+        coordinate: a PSIS-LOO Pareto k maps back to the user's row.
     :param kwargs: passed to :func:`arviz.from_numpyro` (``coords``, ``dims``, ...).
     :return: :class:`arviz.InferenceData`.
     """
@@ -101,22 +124,29 @@ def to_inference_data(mcmc, *, log_likelihood: str | bool = "row", **kwargs):
         idata.sample_stats = stats.drop_dims(axis, errors="ignore")
     part = kernel.partition
     names = np.asarray([str(n) for n in part.client_names])
+    obs = kernel.potential.observed_names
+    var = obs[0] if len(obs) == 1 else "log_lik"
+    row_dim = f"{var}_dim_0" if len(obs) == 1 else "row"
+    original = part.original_index()  # the user's row of each pooled row
+    order = np.argsort(original, kind="stable")
+    client_of_row = np.asarray(part.client_index())
+    row_coords = {row_dim: original[order], "client": (row_dim, names[client_of_row][order])}
+    if "observed_data" in idata.groups():
+        idata.observed_data = _rows_in_user_order(idata.observed_data, part.total_size,
+                                                  order, row_dim, row_coords)
     if log_likelihood:
         samples = mcmc.get_samples(group_by_chain=True)
         ll = _pointwise(kernel, samples)
-        obs = kernel.potential.observed_names
-        var = obs[0] if len(obs) == 1 else "log_lik"
         mask = np.asarray(part.mask)
         if log_likelihood == "row":
-            rows = ll[:, :, mask]  # pooled row order: client 0's rows, then client 1's, ...
-            client_of_row = np.asarray(part.client_index())
+            rows = ll[:, :, mask][:, :, order]  # pooled rows, put back in the user's order
             da = xr.DataArray(
                 rows,
-                dims=("chain", "draw", f"{var}_dim_0"),
+                dims=("chain", "draw", row_dim),
                 coords={
                     "chain": idata.posterior.chain.values,
                     "draw": idata.posterior.draw.values,
-                    "client": (f"{var}_dim_0", names[client_of_row]),
+                    **row_coords,
                 },
             )
         else:

@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
@@ -186,6 +187,62 @@ def _split_static_shared(shared: Mapping[str, Any]) -> tuple[tuple, tuple[str, .
     return tuple(static), tuple(dyn_keys), tuple(dyn_vals)
 
 
+class _RowIndex:
+    """The original row index ``(b, N_max)`` of a partition, carried in its pytree metadata.
+
+    Two holders are equal when they are the same object or hold equal arrays (so that a
+    partition rebuilt by ``jax.tree.map`` or returned by a jitted function keeps its row
+    index, and partitions of different row orders never share a cached treedef)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: np.ndarray | None) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, _RowIndex):
+            return NotImplemented
+        if self.value is None or other.value is None:
+            return self.value is None and other.value is None
+        return self.value.shape == other.value.shape and bool(
+            np.array_equal(self.value, other.value)
+        )
+
+    def __hash__(self) -> int:
+        return hash(None if self.value is None else self.value.shape)
+
+
+def _check_finite_rows(
+    arrays: Mapping[str, Any], sizes: np.ndarray, names: tuple, row_index: np.ndarray | None
+) -> None:
+    """Raise if a real (unpadded) row of a floating-point data array is NaN or infinite,
+    naming the key, the client, the client's row and the row of the input data."""
+    for k, v in arrays.items():
+        if _is_tracer(v):
+            continue
+        if not jnp.issubdtype(v.dtype, jnp.inexact):
+            continue
+        a = np.asarray(v)
+        bad_rows = ~np.isfinite(a.reshape(a.shape[0], a.shape[1], -1)).all(-1)
+        bad_rows &= np.arange(a.shape[1])[None, :] < sizes[:, None]
+        if not bad_rows.any():
+            continue
+        i, j = (int(t) for t in np.argwhere(bad_rows)[0])
+        entry = a[i, j].reshape(-1)
+        value = entry[~np.isfinite(entry)][0]
+        orig = int(row_index[i, j]) if row_index is not None else int(sizes[:i].sum()) + j
+        more = int(bad_rows.sum()) - 1
+        raise ValueError(
+            f"data[{k!r}] has a non-finite value ({value}) in client {i} ({names[i]!r}), at "
+            f"its row {j} (row {orig} of the input data)"
+            f"{f' and in {more} more rows' if more else ''}. "
+            "The federated potential would be NaN there and the chains would diverge: remove "
+            "or impute these rows before building the partition."
+        )
+
+
 # ---------------------------------------------------------------------------
 # ClientPartition
 # ---------------------------------------------------------------------------
@@ -213,7 +270,13 @@ class ClientPartition:
     :param sizes: integer array ``(b,)`` of client sizes, ``1 <= sizes[i] <= N_max``.
     :param shared: optional mapping of non-partitioned model keyword arguments.
     :param client_names: optional names of the clients (default ``("0", "1", ...)``).
-    :raises ValueError: if shapes are inconsistent or sizes are out of range.
+    :param row_index: optional integer array ``(b, N_max)``: the row of the user's input
+        data that each real row holds, ``-1`` on padding (see :attr:`row_index`; the
+        constructors ``iid``, ``dirichlet``, ``by_group`` and ``power_law`` set it, the
+        default is the pooled order :meth:`pooled`).
+    :raises ValueError: if shapes are inconsistent, sizes are out of range, or a real row
+        of a floating-point array holds NaN or infinity (naming the key, the client and the
+        row).
     """
 
     def __init__(
@@ -222,6 +285,7 @@ class ClientPartition:
         sizes: ArrayLike,
         shared: Mapping[str, Any] | None = None,
         client_names: Sequence[Any] | None = None,
+        row_index: ArrayLike | None = None,
     ) -> None:
         if not isinstance(data, Mapping) or len(data) == 0:
             raise ValueError(
@@ -303,11 +367,32 @@ class ClientPartition:
                     f"client_names must have one entry per client ({b}), got {len(names)}"
                 )
 
+        index_np = None
+        if row_index is not None:
+            index_np = np.asarray(row_index)
+            if index_np.shape != (b, n_max) or index_np.dtype.kind not in "iu":
+                raise ValueError(
+                    f"row_index must be an integer array of shape (num_clients, N_max) = "
+                    f"({b}, {n_max}), got shape {index_np.shape} and dtype {index_np.dtype}"
+                )
+            index_np = index_np.astype(np.int64)
+            if sizes_np is not None:
+                real = np.arange(n_max)[None, :] < sizes_np[:, None]
+                if np.any(index_np[real] < 0) or np.any(index_np[~real] != -1):
+                    raise ValueError(
+                        "row_index must be >= 0 on the clients' rows and -1 on padding"
+                    )
+                if len(np.unique(index_np[real])) != int(real.sum()):
+                    raise ValueError("row_index must not repeat a row of the input data")
+        if sizes_np is not None:
+            _check_finite_rows(arrays, sizes_np, names, index_np)
+
         self.data: dict[str, jax.Array] = arrays
         self.sizes: jax.Array = sizes_arr
         self.shared: dict[str, Any] = shared_dict
         self.client_names: tuple = names
         self._sizes_np: np.ndarray | None = sizes_np
+        self._row_index: np.ndarray | None = index_np
 
     # -- pytree -----------------------------------------------------------------
 
@@ -316,13 +401,14 @@ class ClientPartition:
         static, dyn_keys, dyn_vals = _split_static_shared(self.shared)
         shared_order = tuple(self.shared)
         children = (self.data, self.sizes, dyn_vals)
-        aux = (tuple(self.data), shared_order, static, dyn_keys, self.client_names)
+        aux = (tuple(self.data), shared_order, static, dyn_keys, self.client_names,
+               _RowIndex(self._row_index))
         return children, aux
 
     @classmethod
     def tree_unflatten(cls, aux: tuple, children: tuple) -> ClientPartition:
         """Rebuild a partition from :meth:`tree_flatten` output without validation."""
-        keys, shared_order, static, dyn_keys, names = aux
+        keys, shared_order, static, dyn_keys, names, row_index = aux
         data, sizes, dyn_vals = children
         shared_items = dict(static)
         shared_items.update(zip(dyn_keys, dyn_vals, strict=True))
@@ -332,6 +418,7 @@ class ClientPartition:
         obj.shared = {k: shared_items[k] for k in shared_order}
         obj.client_names = names
         obj._sizes_np = None
+        obj._row_index = row_index.value
         return obj
 
     # -- basic attributes ------------------------------------------------------
@@ -402,6 +489,28 @@ class ClientPartition:
         mask = np.asarray(self.mask)
         return {k: np.asarray(v)[mask] for k, v in self.data.items()}
 
+    @property
+    def row_index(self) -> np.ndarray:
+        """Row of the user's input data held by each padded row: ``(b, N_max)`` integers,
+        ``-1`` on padding.
+
+        The constructors that shuffle rows (``iid``, ``dirichlet``, ``power_law``) and
+        ``by_group`` record the original index of every row, so per-row results (pointwise
+        log-likelihoods, PSIS-LOO Pareto k) can be mapped back to the user's rows; for
+        ``from_clients`` and the direct constructor it is the position in :meth:`pooled`
+        (the clients' rows concatenated in client order)."""
+        if self._row_index is not None:
+            return self._row_index
+        sizes = self.sizes_np
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        pos = np.arange(self.max_size)[None, :]
+        return np.where(pos < sizes[:, None], offsets[:, None] + pos, -1)
+
+    def original_index(self) -> np.ndarray:
+        """Original row index ``(total_size,)`` of each row of :meth:`pooled` (see
+        :attr:`row_index`)."""
+        return self.row_index[np.asarray(self.mask)]
+
     def client_index(self) -> np.ndarray:
         """Return the client id ``(total_size,)`` of each row of :meth:`pooled`.
 
@@ -460,9 +569,18 @@ class ClientPartition:
         for k in (*self.data, *self.shared):
             if k not in accepted:
                 where = "data" if k in self.data else "shared"
+                free = [a for a in accepted if a not in self.data and a not in self.shared]
+                lower = {a.lower(): a for a in free}
+                close = lower.get(k.lower()) or next(
+                    iter(difflib.get_close_matches(k, free, n=1)), None
+                )
+                hint = f" (did you mean {close!r}?)" if close else ""
                 raise ValueError(
                     f"{where} key {k!r} is not a keyword parameter of model {name!r}, which "
-                    f"accepts {accepted}; rename the key to match the model's signature"
+                    f"accepts {accepted}{hint}; the partition has data keys {self.keys}"
+                    f"{' and shared keys ' + str(tuple(self.shared)) if self.shared else ''}. "
+                    "Rename the key to match the model's signature (the model reads its "
+                    "observations from the argument of that name)."
                 )
 
     def __repr__(self) -> str:
@@ -500,11 +618,13 @@ class ClientPartition:
             )
         n_max = int(sizes.max())
         gather = np.empty((len(indices), n_max), dtype=np.int64)
+        row_index = np.full((len(indices), n_max), -1, dtype=np.int64)
         for i, ix in enumerate(indices):
             gather[i, : len(ix)] = ix
             gather[i, len(ix) :] = ix[0]
+            row_index[i, : len(ix)] = ix
         data = {k: jnp.asarray(v[gather]) for k, v in arrays.items()}
-        return cls(data, sizes, shared=shared, client_names=client_names)
+        return cls(data, sizes, shared=shared, client_names=client_names, row_index=row_index)
 
     @classmethod
     def from_clients(

@@ -16,7 +16,12 @@ held by the server) and :math:`\\tau_i` is a likelihood weight (temperature, def
 
 The model is an ordinary NumPyro model. Its keyword arguments named in the partition are
 per-data-point arrays (leading axis = data points); the observed sites (and any
-``numpyro.factor``) must factorise over that axis, which is checked once at construction.
+``numpyro.factor``) must factorise over that axis, which is checked once at construction on
+row sets of the pooled data (also when every client holds one row). An observed site or
+factor that does not depend on the rows (a penalty) is held like the prior (counted once, in
+the prior shares :math:`w_i`); a prior computed from the data rows (``Normal(0, 1 / N)``,
+an autoscaled ``Normal(mean(x), 2.5 std(x))``) is refused with the site named: pass such
+values through the partition's ``shared=`` arguments.
 The log-likelihood of a batch of rows is computed by ``vmap``-ing the model over single rows,
 so padded rows can be masked exactly whatever the plate layout of the model.
 
@@ -71,13 +76,15 @@ def _is_log_det_site(name: str, latent: set[str]) -> bool:
     return name.startswith("_") and name.endswith("_log_det") and name[1:-8] in latent
 
 
-def _log_parts(model, kwargs: Mapping[str, Any], params: Mapping[str, Array], latent: set[str]):
-    """Return ``(log prior + log|J|, log likelihood)`` of ``model`` at unconstrained ``params``."""
+def _site_log_densities(model, kwargs: Mapping[str, Any], params: Mapping[str, Array],
+                        summed: bool = True) -> dict:
+    """Log-density (summed unless ``summed`` is false) and observedness of every ``sample``
+    site (latent, observed, ``numpyro.factor`` and log-Jacobian sites) of ``model`` at
+    unconstrained ``params``, by site name."""
     seeded = handlers.seed(model, rng_seed=0)
     subs = handlers.substitute(seeded, substitute_fn=partial(_unconstrain_reparam, params))
     tr = handlers.trace(subs).get_trace(**kwargs)
-    prior = jnp.zeros(())
-    lik = jnp.zeros(())
+    out = {}
     for name, site in tr.items():
         if site["type"] != "sample":
             continue
@@ -86,12 +93,77 @@ def _log_parts(model, kwargs: Mapping[str, Any], params: Mapping[str, Array], la
             lp = site["scale"] * lp
         if site.get("mask") is not None:
             lp = jnp.where(site["mask"], lp, 0.0)
-        lp = jnp.sum(lp)
-        if not site["is_observed"] or _is_log_det_site(name, latent):
+        out[name] = (jnp.sum(lp) if summed else lp, site["is_observed"])
+    return out
+
+
+def _log_parts(model, kwargs: Mapping[str, Any], params: Mapping[str, Array], latent: set[str],
+               prior_sites: frozenset[str] = frozenset()):
+    """Return ``(log prior + log|J|, log likelihood)`` of ``model`` at unconstrained ``params``.
+
+    ``prior_sites`` are observed sites that do not depend on the data rows (a penalty
+    ``numpyro.factor``): they count once, with the prior."""
+    prior = jnp.zeros(())
+    lik = jnp.zeros(())
+    for name, (lp, observed) in _site_log_densities(model, kwargs, params).items():
+        if not observed or _is_log_det_site(name, latent) or name in prior_sites:
             prior = prior + lp
         else:
             lik = lik + lp
     return prior, lik
+
+
+#: errors JAX raises when Python needs the value of a traced array (``if x[0] > 0``,
+#: ``float(x.sum())``, ``np.asarray(x)``)
+_CONCRETE_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+
+
+#: XLA options of the construction-time check program, which runs once: compiled for
+#: compile speed (no LLVM optimisation, XLA:CPU's classic emitters; as
+#: ``numpyro_fed.saem.model.ONCE_COMPILER_OPTIONS``)
+_ONCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
+                          "xla_cpu_use_fusion_emitters": False}
+
+
+def _model_parameters(model) -> tuple[str, ...] | None:
+    """Names of the model's parameters (``None`` if its signature cannot be read)."""
+    try:
+        return tuple(inspect.signature(model).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _control_flow_error(model, rows: Mapping[str, Any], shared: Mapping[str, Any],
+                        err: Exception) -> ValueError:
+    """A clear error for a model that uses Python control flow on data values, naming the
+    data arguments whose values it needs (each traced alone)."""
+    culprits = []
+    for key in rows:
+        def run(v, key=key):
+            handlers.trace(handlers.seed(model, 0)).get_trace(**{**rows, key: v}, **shared)
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                jax.eval_shape(run, rows[key])
+        except _CONCRETE_ERRORS:
+            culprits.append(key)
+        except Exception:  # noqa: BLE001 -- only the concretisation errors name a culprit
+            pass
+    which = f"data argument(s) {culprits}" if culprits else "its data arguments"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return ValueError(
+        f"The model uses Python control flow (if/while, bool(), float(), int(), np.asarray) "
+        f"on the values of {which}. The federated kernels evaluate the model under "
+        "jax.jit/vmap, where data values are abstract: use jnp.where or jax.lax.cond instead, "
+        "or compute the value once on the pooled data and pass it through the partition's "
+        f"`shared=` argument. (JAX: {first})"
+    )
 
 
 def _threefry_key_words(key: Array):
@@ -165,8 +237,15 @@ class FederatedPotential:
         The default 1 gives the true posterior; the ELF paper's tempered target
         :math:`F = \\frac1b\\sum_i [\\frac1{N_i}\\sum_j \\ell_{ij} + \\frac\\lambda2\\|x\\|^2]`
         is ``likelihood_weight = 1/(b N_i)`` with ``prior="split"``.
-    :param check: verify once that the observed sites factorise over data rows and that no
-        latent site is local to a row.
+    :param check: verify once, on row sets of the pooled data, that the observed sites
+        factorise over data rows, that no latent site is local to a row and that no prior
+        depends on the rows; the model is also traced on abstract rows, so Python control
+        flow on data values is reported here. With ``check=False`` (deployed clients) the
+        data-independent observed sites are still found (a cheaper test on the first row).
+    :raises ValueError: naming the site, argument or key and the fix, for: a prior that
+        depends on the data rows, a non-factorising likelihood, a row-local or discrete
+        latent site, missing observations, Python control flow on data values, prior or
+        likelihood weights of the wrong length.
     """
 
     def __init__(
@@ -203,28 +282,58 @@ class FederatedPotential:
                     f"{b} client weights summing to 1."
                 )
         else:
-            w = np.asarray(prior, dtype=float)
-            if w.shape != (b,) or np.any(w < 0) or not np.isclose(w.sum(), 1.0):
+            try:
+                w = np.asarray(prior, dtype=float)
+            except (TypeError, ValueError) as err:
                 raise ValueError(
-                    f"`prior` weights must be {b} non-negative numbers summing to 1 "
-                    f"(got shape {w.shape}, sum {w.sum():.4g})."
+                    f"`prior` must be one of {PRIOR_MODES} or an array of {b} client weights "
+                    f"(one per client) summing to 1; got {prior!r}."
+                ) from err
+            if w.shape != (b,) or np.any(~(w >= 0)) or not np.isclose(w.sum(), 1.0):
+                raise ValueError(
+                    f"`prior` weights must be {b} non-negative numbers summing to 1, one per "
+                    f"client of the partition (num_clients={b}); got shape {w.shape}, sum "
+                    f"{w.sum():.4g}."
                 )
             w0 = 0.0
         self.prior_mode = prior if isinstance(prior, str) else "custom"
         self.prior_weights = w
         self.server_prior_weight = w0
 
-        tau = np.broadcast_to(np.asarray(likelihood_weight, dtype=float), (b,)).copy()
+        try:
+            tau = np.asarray(likelihood_weight, dtype=float)
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"`likelihood_weight` must be a positive number or an array of {b} positive "
+                f"numbers (one per client); got {likelihood_weight!r}."
+            ) from err
+        if tau.ndim > 1 or (tau.ndim == 1 and tau.shape[0] not in (1, b)):
+            raise ValueError(
+                f"`likelihood_weight` must be a scalar or an array with one weight per client: "
+                f"got length {tau.shape[0] if tau.ndim == 1 else tau.shape} but the partition "
+                f"has {b} clients (num_clients={b}); pass {b} weights or one scalar."
+            )
+        tau = np.broadcast_to(tau, (b,)).copy()
         if np.any(~np.isfinite(tau)) or np.any(tau <= 0):
-            raise ValueError("`likelihood_weight` must be positive and finite.")
+            raise ValueError(
+                f"`likelihood_weight` must be positive and finite, got {likelihood_weight!r}."
+            )
         self.likelihood_weight = tau
 
         # --- structure of the model: latent sites, transforms, deterministic sites -------
         pooled = {**partition.pooled(), **self.shared}
         self._pooled_kwargs = pooled
-        info = initialize_model(
-            random.PRNGKey(0), model, model_kwargs=pooled, init_strategy=init_to_uniform
-        )
+        try:
+            with warnings.catch_warnings():  # discrete latents are refused below
+                warnings.filterwarnings("ignore", "Some algorithms will automatically enumerate",
+                                        FutureWarning)
+                info = initialize_model(
+                    random.PRNGKey(0), model, model_kwargs=pooled, init_strategy=init_to_uniform
+                )
+        except Exception:
+            self._check_sites(info=None)  # a clearer error for the common causes, if any
+            raise
+        self._check_sites(info)
         self._inv_transforms = _inverse_transforms(info)
         z0 = info.param_info.z
         if not z0:
@@ -239,20 +348,30 @@ class FederatedPotential:
         self.deterministic_names = tuple(
             n for n, s in trace.items() if s["type"] == "deterministic"
         )
-        self.observed_names = tuple(
+        observed = tuple(
             n
             for n, s in trace.items()
             if s["type"] == "sample" and s["is_observed"] and not _is_log_det_site(n, self._latent)
         )
-        if not self.observed_names:
-            raise ValueError(
-                "The model has no observed site when called with the partition's data keys "
-                f"{partition.keys}; pass the observations (e.g. `y`) in the partition."
-            )
         self._w = jnp.asarray(w)
         self._tau = jnp.asarray(tau)
+        #: observed sites that do not depend on the data rows (a penalty ``numpyro.factor``):
+        #: held with the prior (counted once, shared by ``prior_weights`` and the server)
+        self.global_site_names: tuple[str, ...] = ()
+        self._prior_sites: frozenset[str] = frozenset()
         if check:
-            self._check_finite_sum(z0)
+            self._check_latent_shapes(z0)
+        self.global_site_names = self._classify_sites(flat, observed, check)
+        self._prior_sites = frozenset(self.global_site_names)
+        self.observed_names = tuple(n for n in observed if n not in self._prior_sites)
+        if not self.observed_names:
+            raise ValueError(
+                "The model has no observed site that depends on the data rows when called "
+                f"with the partition's data keys {partition.keys}"
+                + (f" (its data-independent sites {list(self.global_site_names)} are held "
+                   "like the prior)" if self.global_site_names else "")
+                + "; pass the observations (e.g. `y`) in the partition."
+            )
 
     def with_kwargs(self, kwargs: Mapping[str, Any] | None) -> FederatedPotential:
         """A view of this potential whose model receives extra (non-row) keyword arguments,
@@ -283,12 +402,14 @@ class FederatedPotential:
     def log_prior(self, theta: Array) -> Array:
         """:math:`\\log p(\\theta) + \\log|J(\\theta)|` at flat unconstrained ``theta``."""
         row = jax.tree.map(lambda a: a[0, 0], self.partition.data)
-        prior, _ = _log_parts(self.model, self._row_kwargs(row), self.unravel(theta), self._latent)
+        prior, _ = _log_parts(self.model, self._row_kwargs(row), self.unravel(theta), self._latent,
+                              self._prior_sites)
         return prior
 
     def point_loglik(self, theta: Array, row: Mapping[str, Array]) -> Array:
         """Log-likelihood of one data row (arrays without the leading data axis)."""
-        _, lik = _log_parts(self.model, self._row_kwargs(row), self.unravel(theta), self._latent)
+        _, lik = _log_parts(self.model, self._row_kwargs(row), self.unravel(theta), self._latent,
+                            self._prior_sites)
         return lik
 
     def rows_loglik(self, theta: Array, rows: Mapping[str, Array]) -> Array:
@@ -402,19 +523,32 @@ class FederatedPotential:
         return partial(self.constrain, deterministic=deterministic)
 
     def pooled_model(self) -> Callable:
-        """The user's model with the pooled data bound as default keyword arguments.
+        """The user's model, bound to the pooled data when called without data.
 
-        This is what ArviZ replays (``az.from_numpyro`` calls ``mcmc.sampler.model()`` with
-        the ``args`` given to ``MCMC.run``, which are empty here because the data travel in the
-        partition). Explicit arguments override the pooled data."""
+        Called with none of the partition's data arguments (``model()``, or only non-row
+        arguments), it runs on the pooled data: this is what ArviZ replays
+        (``az.from_numpyro`` calls ``mcmc.sampler.model()`` with the ``args`` given to
+        ``MCMC.run``, which are empty here because the data travel in the partition). As soon
+        as the caller passes any of the partition's data arguments (by position or by name),
+        none of them is bound (only ``shared`` and run-time arguments are): the others take
+        the model's defaults, so ``Predictive(kernel.model, samples)(key, X=X_new)`` predicts
+        ``y`` for the new rows instead of returning the training labels."""
         model, pooled = self.model, self._pooled_kwargs
+        row_keys = frozenset(self.partition.keys)
+        names = _model_parameters(model)
 
         def pooled_model(*args, **kwargs):
-            bound = dict(pooled)
-            if args:
-                names = list(inspect.signature(model).parameters)
-                for name in names[: len(args)]:
-                    bound.pop(name, None)
+            if args and names is None:
+                positional: list[str] = list(row_keys)  # unknown signature: assume data
+            else:
+                positional = list(names[: len(args)]) if args else []
+            given = set(positional) | set(kwargs)
+            if given & row_keys:
+                bound = {k: v for k, v in pooled.items() if k not in row_keys}
+            else:
+                bound = dict(pooled)
+            for name in positional:
+                bound.pop(name, None)
             bound.update(kwargs)
             return model(*args, **bound)
 
@@ -457,12 +591,97 @@ class FederatedPotential:
         params = {k: jnp.asarray(values[k]) for k in self.latent_names}
         return self.ravel(transform_fn(self._inv_transforms, params, invert=True))
 
-    def _check_finite_sum(self, z0: dict) -> None:
-        """Latent shapes must not depend on the number of rows, and two single-row calls of
-        the likelihood must add up to one call on both rows (one compiled evaluation)."""
-        part, shared, latent, model = self.partition, self.shared, self._latent, self.model
-        big = int(np.argmax(part.sizes_np))
-        one_row = {k: v[big, :1] for k, v in part.data.items()}
+    # ------------------------------------------------------------------ construction checks
+    def _missing_data_message(self, site: str | None = None) -> str | None:
+        """If the model has parameters that neither the partition nor ``shared`` provides,
+        a sentence naming them, the partition's keys and the fix (else ``None``)."""
+        params = _model_parameters(self.model)
+        if params is None:
+            return None
+        part = self.partition
+        defaults = inspect.signature(self.model).parameters
+        unprovided = [a for a in params if a not in part.keys and a not in self.shared
+                      and defaults[a].default is None]
+        if site is not None and site not in unprovided:
+            return None
+        if not unprovided:
+            return None
+        name = site or unprovided[0]
+        return (
+            f"the model's parameters are {params} and the partition has data keys "
+            f"{part.keys}{' and shared keys ' + str(tuple(self.shared)) if self.shared else ''}"
+            f", so {unprovided} get their defaults (None) and no observations reach the model"
+            + (f" (site {site!r} is sampled as a latent site)" if site else "")
+            + f". Put the observations in the partition under the model's argument name, e.g. "
+            f"ClientPartition.iid({{..., {name!r}: {name}}}, num_clients, key=key)."
+        )
+
+    def _check_sites(self, info: Any) -> None:
+        """Missing observations and discrete latent sites get a clear error (before NumPyro's
+        enumeration machinery or its funsor import error). ``info`` is the result of
+        ``initialize_model`` (its trace of the model on the pooled data), or ``None`` when it
+        failed: then the model is traced here."""
+        if info is None:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    tr = handlers.trace(handlers.seed(self.model, 0)).get_trace(
+                        **self._pooled_kwargs
+                    )
+            except Exception:  # noqa: BLE001 -- the caller re-raises the original error
+                return
+        else:
+            tr = info.model_trace
+        sites = {n: s for n, s in tr.items() if s["type"] == "sample"}
+        if not any(s["is_observed"] and not n.endswith("_log_det") for n, s in sites.items()):
+            hint = self._missing_data_message()
+            raise ValueError(
+                "The model has no observed site when called with the partition's data keys "
+                f"{self.partition.keys}: "
+                + (hint or "pass the observations (e.g. `y`) in the partition.")
+            )
+        rows = self.partition.total_size
+        for name, site in sites.items():
+            if site["is_observed"]:
+                continue
+            shape = jnp.shape(site["value"])
+            hint = self._missing_data_message(name)
+            if hint and (site["fn"].support.is_discrete or (shape and shape[0] == rows)):
+                raise ValueError(f"Latent site {name!r} has no observations: {hint}")
+            if site["fn"].support.is_discrete:
+                raise ValueError(
+                    f"Latent site {name!r} is discrete ({type(site['fn']).__name__}): federated "
+                    "Langevin kernels need continuous latent sites (they move all latents by "
+                    "gradient steps in an unconstrained real space). Marginalise it in the "
+                    "likelihood (sum its values out, e.g. a mixture via "
+                    "dist.MixtureSameFamily or a per-row numpyro.factor with logsumexp), or "
+                    "make it a continuous relaxation."
+                )
+
+    def _row_sets(self, check: bool) -> tuple[dict, ...]:
+        """Row sets of the pooled data for the site checks, grouped by number of rows, each
+        with a leading set axis: ``(row 0, row 1)``, ``(rows {0, 1}, rows {0, 0})``, all
+        rows; with ``check=False`` (or a single row) ``(row 0,)`` and ``(rows {0, 0},)``."""
+        pooled = {k: np.asarray(v) for k, v in self.partition.pooled().items()}
+        n = self.partition.total_size
+        if not check or n < 2:
+            return (
+                {k: v[None, :1] for k, v in pooled.items()},
+                {k: v[None, [0, 0]] for k, v in pooled.items()},
+            )
+        return (
+            {k: np.stack([v[:1], v[1:2]]) for k, v in pooled.items()},
+            {k: np.stack([v[:2], v[[0, 0]]]) for k, v in pooled.items()},
+            {k: v[None] for k, v in pooled.items()},
+        )
+
+    def _check_latent_shapes(self, z0: dict) -> None:
+        """Latent shapes must not depend on the number of rows (no row-local latents); the
+        model is traced on one abstract row, which also catches Python control flow on
+        data values."""
+        part, shared, model = self.partition, self.shared, self.model
+        one_row = {k: np.asarray(v)[:1] for k, v in self._pooled_kwargs.items()
+                   if k in part.keys}
 
         def latent_values(rows):
             with warnings.catch_warnings():
@@ -470,38 +689,151 @@ class FederatedPotential:
                 tr = handlers.trace(handlers.seed(model, 0)).get_trace(**rows, **shared)
             return {n: tr[n]["value"] for n in self.latent_names}
 
-        shapes_row = jax.eval_shape(latent_values, one_row)
+        try:
+            shapes_row = jax.eval_shape(latent_values, one_row)
+        except _CONCRETE_ERRORS as err:
+            raise _control_flow_error(model, one_row, shared, err) from None
         shapes_all = jax.eval_shape(partial(transform_fn, self._inv_transforms), z0)
         for name in self.latent_names:
             if shapes_row[name].shape != shapes_all[name].shape:
+                hint = self._missing_data_message(name)
                 raise ValueError(
                     f"Latent site {name!r} has shape {shapes_all[name].shape} on the pooled "
                     f"data but {shapes_row[name].shape} on one row: it is local to data rows. "
-                    "The federated kernels sample global parameters only; integrate local "
+                    + (f"Did you forget its observations? {hint} " if hint else "")
+                    + "The federated kernels sample global parameters only; integrate local "
                     "latents with numpyro_fed.saem or move them into the likelihood."
                 )
-        if part.sizes_np[big] < 2:
-            return
-        two = {k: v[big, :2] for k, v in part.data.items()}
 
-        @jax.jit
-        def lik_split(z, two):
-            ll = lambda rows: _log_parts(model, {**rows, **shared}, z, latent)[1]  # noqa: E731
-            first = {k: v[:1] for k, v in two.items()}
-            second = {k: v[1:2] for k, v in two.items()}
-            return ll(first) + ll(second), ll(two)
+    def _row_constant_shapes(self, z0: Array, observed: tuple[str, ...],
+                             sets: tuple[dict, ...]) -> bool:
+        """Whether some observed site's log-density has the same shape on one row and on
+        two rows (a candidate data-independent site). Traced only, nothing compiled: with
+        ``check=False`` (deployed clients) the value program runs only for such models."""
+        model, shared, unravel = self.model, self.shared, self.unravel
 
-        per_row, whole = (float(v) for v in lik_split(z0, two))
-        if not (np.isfinite(per_row) and np.isfinite(whole)):
-            return
-        if not np.isclose(per_row, whole, rtol=1e-4, atol=1e-4):
-            raise ValueError(
-                "The model's log-likelihood does not factorise over the rows of the partitioned "
-                f"arrays {part.keys}: two single-row calls give {per_row:.6g}, one call on the "
-                f"same two rows gives {whole:.6g}. Observed sites and numpyro.factor terms must "
-                "be per data row (inside the data plate); put data-independent penalties into "
-                "the prior and non-row arguments into `shared`."
-            )
+        def shapes(rows):
+            lp = _site_log_densities(model, {**rows, **shared}, unravel(z0), summed=False)
+            return {k: v[0] for k, v in lp.items() if k in observed}
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                one, two = (jax.eval_shape(shapes, {k: v[0] for k, v in rows.items()})
+                            for rows in sets[:2])
+        except _CONCRETE_ERRORS as err:
+            first = {k: v[0] for k, v in sets[0].items()}
+            raise _control_flow_error(model, first, shared, err) from None
+        return any(k not in two or one[k].shape == two[k].shape for k in one)
+
+    def _classify_sites(self, z0: Array, observed: tuple[str, ...], check: bool
+                        ) -> tuple[str, ...]:
+        """Evaluate every site's summed log-density at two unconstrained points on row sets
+        of the pooled data (:meth:`_row_sets`, one compiled program) and return the observed
+        sites that do not depend on the rows (held like the prior).
+
+        An observed site is a likelihood when it adds up over rows (``f(A + B) = f(A) +
+        f(B)``) and data independent when it is the same on every row set; with ``check``
+        anything else raises, and so does a latent (or log-Jacobian) site whose
+        log-density changes with the rows (a prior computed from the data)."""
+        model, shared, unravel = self.model, self.shared, self.unravel
+        sets = self._row_sets(check)
+        if not check and not self._row_constant_shapes(z0, observed, sets):
+            return ()  # every observed site grows with the rows: all are likelihood terms
+        z1 = z0 + jnp.where(jnp.arange(z0.shape[0]) % 2 == 0, 0.37, -0.29).astype(z0.dtype)
+        zs = jnp.stack([z0, z1])
+
+        def table(zs, sets):
+            def one(z, rows):
+                lp = _site_log_densities(model, {**rows, **shared}, unravel(z))
+                return {k: v[0] for k, v in lp.items()}
+
+            over_z = jax.vmap(one, in_axes=(0, None))
+            return [jax.vmap(over_z, in_axes=(None, 0))(zs, rows) for rows in sets]
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = jax.jit(table, compiler_options=_ONCE_COMPILER_OPTIONS)(zs, sets)
+        except _CONCRETE_ERRORS as err:
+            first = {k: v[0] for k, v in sets[0].items()}
+            raise _control_flow_error(model, first, shared, err) from None
+        # values[name]: (row set, point), row sets ordered as in _row_sets
+        names = set().union(*(t.keys() for t in out))
+        values = {}
+        for name in names:
+            cols = [np.asarray(t[name], np.float64) if name in t
+                    else np.full((len(next(iter(t.values()))), 2), np.nan) for t in out]
+            values[name] = np.concatenate(cols, axis=0)
+
+        def same(a, b):
+            return bool(np.all((a == b) | (np.isfinite(a) & np.isfinite(b)
+                                           & np.isclose(a, b, rtol=1e-4, atol=1e-4))))
+
+        def close(a, b):
+            return bool(np.all(np.isclose(a, b, rtol=1e-4, atol=1e-4)))
+
+        full = check and len(sets) == 3
+        n = self.partition.total_size
+        if full:
+            for name in sorted(names):
+                if name in observed:
+                    continue
+                v = values[name]  # rows: row 0, row 1, rows {0,1}, rows {0,0}, all rows
+                if all(same(v[0], v[j]) for j in range(1, 5)):
+                    continue
+                site = name[1:-8] if _is_log_det_site(name, self._latent) else name
+                what = ("the log-Jacobian of the constraint of latent site" if site != name
+                        else "the prior of latent site")
+                raise ValueError(
+                    f"{what[0].upper() + what[1:]} {site!r} depends on the data rows: at the "
+                    f"same parameter value its log-density is {v[0, 0]:.6g} on row 0, "
+                    f"{v[1, 0]:.6g} on row 1, {v[2, 0]:.6g} on rows 0-1 and {v[4, 0]:.6g} on "
+                    f"all {n} rows. The federated potential evaluates the prior once, not on "
+                    "the pooled data, so the posterior would be silently wrong. Compute the "
+                    "data-dependent value (e.g. a scale from x.shape[0] or np.std(x)) once on "
+                    "the pooled data, add a model argument for it and pass it through the "
+                    "partition's `shared=` argument, e.g. ClientPartition.iid(data, b, "
+                    "key=key, shared={'x_scale': float(np.std(x))})."
+                )
+        global_sites = []
+        for name in observed:
+            v = values.get(name)
+            if v is None:
+                continue
+            if full:
+                a0, a1, a01, a00, aall = v
+                constant = all(same(a0, b) for b in (a1, a01, a00, aall))
+                additive = close(a0 + a1, a01) and close(2 * a0, a00)
+            else:
+                a0, a00 = v[0], v[-1]
+                constant = same(a0, a00)
+                additive = close(2 * a0, a00)
+                a1 = a01 = None
+            if constant and not additive:
+                global_sites.append(name)
+            elif additive or not check or not np.all(np.isfinite(v)):
+                continue
+            elif a01 is None:  # a single row in all: only the duplicated row to compare
+                raise ValueError(
+                    "The model's log-likelihood does not factorise over the rows of the "
+                    f"partitioned arrays {self.partition.keys}: observed site {name!r} gives "
+                    f"{a0[0]:.6g} on one row but {a00[0]:.6g} on that row twice. Observed "
+                    "sites and numpyro.factor terms must be per data row (inside the data "
+                    "plate); put non-row arguments into `shared`."
+                )
+            else:
+                raise ValueError(
+                    "The model's log-likelihood does not factorise over the rows of the "
+                    f"partitioned arrays {self.partition.keys}: observed site {name!r} gives "
+                    f"{a0[0] + a1[0]:.6g} as the sum of two single-row calls but "
+                    f"{a01[0]:.6g} on the same two rows, and it is not independent of the "
+                    "rows either. Observed sites and numpyro.factor terms must be per data "
+                    "row (inside the data plate); a numpyro.factor that does not use the data "
+                    "rows (a penalty) is accepted and held like the prior; put non-row "
+                    "arguments into `shared`."
+                )
+        return tuple(global_sites)
 
 
 def _inverse_transforms(info) -> dict:

@@ -365,3 +365,63 @@ def test_error_power_law_min_size():
         ClientPartition.power_law({"x": np.arange(10.0)}, 3, key=random.key(0), min_size=4)
     with pytest.raises(ValueError, match="exponent must be"):
         ClientPartition.power_law({"x": np.arange(10.0)}, 3, key=random.key(0), exponent=-1.0)
+
+
+# ---------------------------------------------------------------------------
+# original row index, non-finite data
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["from_clients", "iid", "dirichlet", "by_group", "power_law"])
+def test_row_index_is_the_users_row(pooled_data, name):
+    p = _constructors(pooled_data)[name]
+    ri = p.row_index
+    assert ri.shape == (p.num_clients, p.max_size)
+    np.testing.assert_array_equal(ri < 0, ~np.asarray(p.mask))
+    # pooled_data["idx"] is the user's row number: the row index gives it back
+    np.testing.assert_array_equal(p.original_index(), p.pooled()["idx"])
+    # it survives pytree round trips and jit, and partitions of other row orders do not
+    # share a compiled program's tree structure
+    q = jax.tree.map(lambda a: a, p)
+    np.testing.assert_array_equal(q.row_index, ri)
+    out = jax.jit(lambda r: r)(p)
+    np.testing.assert_array_equal(out.row_index, ri)
+
+
+def test_row_index_distinguishes_partitions(pooled_data):
+    a = ClientPartition.iid(pooled_data, 4, key=random.key(0))
+    b = ClientPartition.iid(pooled_data, 4, key=random.key(1))
+    assert jax.tree.structure(a) == jax.tree.structure(jax.tree.map(lambda v: v, a))
+    assert jax.tree.structure(a) != jax.tree.structure(b)
+    out = jax.jit(lambda r: r)(b)
+    np.testing.assert_array_equal(out.original_index(), b.pooled()["idx"])
+
+
+def test_error_bad_row_index():
+    data = {"X": np.zeros((2, 3))}
+    with pytest.raises(ValueError, match="row_index must be an integer array of shape"):
+        ClientPartition(data, [3, 2], row_index=np.zeros((2, 2), int))
+    with pytest.raises(ValueError, match="-1 on padding"):
+        ClientPartition(data, [3, 2], row_index=np.array([[0, 1, 2], [3, 4, 5]]))
+    with pytest.raises(ValueError, match="repeat"):
+        ClientPartition(data, [3, 2], row_index=np.array([[0, 1, 2], [2, 4, -1]]))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_error_non_finite_data_names_key_client_and_row(pooled_data, bad):
+    """Before: accepted; the chains then returned NaN or diverged."""
+    data = {k: v.copy() for k, v in pooled_data.items()}
+    data["X"] = data["X"].astype(np.float64)
+    data["X"][123, 1] = bad
+    p_ok = ClientPartition.iid(pooled_data, 5, key=random.key(0))
+    client = int(np.flatnonzero((p_ok.row_index == 123).any(1))[0])
+    row = int(np.flatnonzero(p_ok.row_index[client] == 123)[0])
+    with pytest.raises(ValueError, match=rf"data\['X'\] has a non-finite value \({bad}\) in "
+                                         rf"client {client} .*its row {row} \(row 123 of"):
+        ClientPartition.iid(data, 5, key=random.key(0))
+    with pytest.raises(ValueError, match=r"data\['X'\].*client 1 \('1'\), at its row 3 .*row 13 "):
+        ClientPartition.from_clients([{k: v[:10] for k, v in data.items()},
+                                      {k: v[10:] for k, v in {**data, "X": np.where(
+                                          np.arange(N)[:, None] == 13, bad, data["X"])}.items()}])
+    # padding is never checked (it repeats a real row) and integer arrays cannot hold NaN
+    ClientPartition.iid({"y": pooled_data["y"]}, 5, key=random.key(0))

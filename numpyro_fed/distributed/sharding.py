@@ -102,7 +102,8 @@ def shard_partition(
         for k, v in partition.shared.items()
     }
     out = ClientPartition(
-        data, np.asarray(partition.sizes_np), shared=shared, client_names=partition.client_names
+        data, np.asarray(partition.sizes_np), shared=shared, client_names=partition.client_names,
+        row_index=partition.row_index,
     )
     out.sizes = jax.device_put(out.sizes, client_sharding(mesh, 1))
     return out
