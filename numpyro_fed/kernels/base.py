@@ -67,6 +67,21 @@ def chain_keys_list(keys) -> list:
     return [keys[c] for c in range(keys.shape[0])]
 
 
+def check_compressor_dim(compressor, dim: int, dtype, arg: str) -> None:
+    """Trace ``compressor`` once on a message of the model's dimension (shapes only, no
+    computation), so that a compressor that cannot apply to it (e.g. ``top_k(k)`` with
+    ``k > d``) is refused when the kernel is built, naming the argument, rather than when
+    ``MCMC.run`` first compiles the step."""
+    import jax
+    from jax import random
+
+    try:
+        jax.eval_shape(compressor.fn, random.key(0), jax.ShapeDtypeStruct((int(dim),), dtype))
+    except ValueError as err:
+        raise ValueError(f"`{arg}` ({compressor.name}) cannot compress the model's "
+                         f"d={dim} unconstrained parameters: {err}") from None
+
+
 def check_step_size(step_size, name: str = "step_size") -> float:
     """Validate a positive, finite step size."""
     try:

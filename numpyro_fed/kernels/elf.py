@@ -52,7 +52,7 @@ from numpyro_fed.distributed.participation import (
     participation_mask,
     warn_if_many_empty_rounds,
 )
-from numpyro_fed.kernels.base import langevin_move
+from numpyro_fed.kernels.base import check_compressor_dim, langevin_move
 from numpyro_fed.kernels.langevin import FederatedKernel
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential
@@ -203,6 +203,8 @@ class ELF(FederatedKernel):
 
     variant: str = "D"
 
+    _compressor_arg = "uplink"
+
     def __init__(
         self,
         model: Callable,
@@ -265,6 +267,7 @@ class ELF(FederatedKernel):
         )
         self.uplink = up
         self.downlink = down
+        check_compressor_dim(down, self.potential.dim, self.potential.dtype, "downlink")
         self.w0 = w0
         warn_if_many_empty_rounds(self.participation, partition.num_clients)
         self._compress_up = compress_up

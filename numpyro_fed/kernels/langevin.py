@@ -39,6 +39,7 @@ from numpyro_fed.compressors import Compressor, get_compressor
 from numpyro_fed.kernels.base import (
     DivergenceGuard,
     chain_keys_list,
+    check_compressor_dim,
     check_step_size,
     langevin_move,
     split_chain_keys,
@@ -547,6 +548,9 @@ class FederatedKernel(MCMCKernel):
     sample_field = "z"
     name = "federated"
 
+    #: the constructor argument that holds the uplink compressor (named in errors)
+    _compressor_arg = "compressor"
+
     def __init__(
         self,
         model: Callable,
@@ -575,6 +579,8 @@ class FederatedKernel(MCMCKernel):
             partition.check_batch_size(batch_size)
         self.batch_size = batch_size
         self.compressor = get_compressor(compressor)
+        check_compressor_dim(self.compressor, potential.dim, potential.dtype,
+                             self._compressor_arg)
         self._init_strategy = init_strategy
         self.check_finite = check_finite
         self._postprocess_det = postprocess_deterministic

@@ -403,6 +403,8 @@ class QLSD(FederatedKernel):
         if theta_star is not None and self.variant != "*":
             raise ValueError("`theta_star` is only used by variant='*' (QLSD*).")
         self._theta_star_user = theta_star
+        if theta_star is not None:
+            self._user_theta_star()  # refuse a bad centring point now, not at MCMC.run
         self.theta_star_kwargs = dict(theta_star_kwargs or {})
         self.theta_star: jax.Array | None = None
         self.theta_star_search: ThetaStarSearch | None = None
@@ -411,20 +413,24 @@ class QLSD(FederatedKernel):
         self._star_bits: tuple[int, int] = (0, 0)
 
     # -- QLSD*: centring point ---------------------------------------------------------
+    def _user_theta_star(self) -> jax.Array:
+        """The user's ``theta_star`` as a flat unconstrained vector, checked site by site."""
+        pot, value = self.potential, self._theta_star_user
+        if not isinstance(value, Mapping):
+            if len(pot.latent_names) != 1:
+                raise ValueError(
+                    "`theta_star` must be a dict of constrained site values "
+                    f"{list(pot.latent_names)}; an array is accepted only for one site."
+                )
+            value = {pot.latent_names[0]: value}
+        return check_theta_star(pot, value).astype(pot.dtype)
+
     def _prepare_theta_star(self, rng_key) -> None:
         """Find or convert :math:`\\theta^\\star`, then compute :math:`g^\\star` (once)."""
         pot, data = self.potential, self.partition
         b, d = data.num_clients, pot.dim
         if self._theta_star_user is not None:
-            value = self._theta_star_user
-            if not isinstance(value, Mapping):
-                if len(pot.latent_names) != 1:
-                    raise ValueError(
-                        "`theta_star` must be a dict of constrained site values "
-                        f"{list(pot.latent_names)}; an array is accepted only for one site."
-                    )
-                value = {pot.latent_names[0]: value}
-            theta = check_theta_star(pot, value).astype(pot.dtype)
+            theta = self._user_theta_star()
             search = ThetaStarSearch("user", 0, 0, 0, float("nan"), True)
         else:
             vectorized, key = split_chain_keys(rng_key)
