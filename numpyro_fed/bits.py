@@ -189,7 +189,10 @@ class BitCounter:
     def __repr__(self) -> str:
         if isinstance(self.words, jax.core.Tracer):
             return f"BitCounter(<traced words of shape {np.shape(self.words)}>)"
-        return f"BitCounter({counter_value(self)!r})"
+        try:
+            return f"BitCounter({counter_value(self)!r})"
+        except OverflowError:
+            return f"BitCounter(words={np.asarray(self.words)!r})"
 
 
 Bits = Union[int, np.integer, jax.Array, BitCounter]  # noqa: UP007
