@@ -23,12 +23,25 @@ Every compressor reports two sizes:
 
 * ``nominal_bits(d)``: the size of a fixed-width encoding, a Python ``int`` known ahead
   of time;
-* the *coded* length returned by ``fn`` (an ``int32`` scalar), i.e. the size of the
-  actual message.  For :func:`quantize` it is the QSGD-style sparse encoding of
-  [AGL+17]_ using the **Elias-gamma** integer code [Eli75]_, whose codeword for
-  :math:`n \\ge 1` has :math:`2 \\lfloor \\log_2 n \\rfloor + 1` bits (see
-  :func:`elias_gamma_length`).  For the other compressors coded and nominal lengths
-  coincide.
+* the *coded* length returned by ``fn``, i.e. the size of the actual message: an
+  ``int32`` scalar when it is below :math:`2^{31}`, else a
+  :class:`~numpyro_fed.bits.BitCounter` (two ``uint32`` words, exact to :math:`2^{64}`;
+  ``int(bits)`` and ``np.asarray(bits)`` read either form on the host).  For
+  :func:`quantize` it is the QSGD-style sparse encoding of [AGL+17]_ using the
+  **Elias-gamma** integer code [Eli75]_, whose codeword for :math:`n \\ge 1`
+  has :math:`2 \\lfloor \\log_2 n \\rfloor + 1` bits (see :func:`elias_gamma_length`).
+  For the other compressors coded and nominal lengths coincide.
+
+Two optional static sizes let the kernels count bits exactly and cheaply at any size:
+``static_bits(d)`` is the coded length when it does not depend on the message (identity,
+top-k, rand-k: a Python ``int``, so a round of ``b`` clients costs exactly
+``b * static_bits(d)`` with no arithmetic on the device), and ``max_bits(d)`` is an upper
+bound of a data-dependent coded length (:func:`quantize`): while ``b * max_bits(d)`` stays
+below :math:`2^{31}` the kernels sum the lengths in one ``int32`` reduction, beyond it in
+two words (:func:`numpyro_fed.bits.sum_bits`). A custom compressor may leave both ``None``
+and return an ``int32`` scalar (the original contract, for lengths below :math:`2^{31}`) or
+a :class:`~numpyro_fed.bits.BitCounter`; its per-client lengths are then summed exactly in
+two words.
 
 References
 ----------
@@ -58,6 +71,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from numpyro_fed.bits import INT32_LIMIT, bit_count, bits_add, sum_small
+
 __all__ = [
     "Compressor",
     "ceil_log2",
@@ -84,8 +99,10 @@ class Compressor(NamedTuple):
 
     :param name: Human-readable description, e.g. ``"quantize(s=16)"``.
     :param fn: ``fn(key, v) -> (v_hat, bits)`` where ``v`` is a 1-D floating array of
-        shape ``(d,)``, ``v_hat`` has the same shape and dtype and ``bits`` is an
-        ``int32`` scalar holding the coded length of this message in bits.
+        shape ``(d,)``, ``v_hat`` has the same shape and dtype and ``bits`` is the coded
+        length of this message in bits: a non-negative ``int32`` scalar (lengths below
+        :math:`2^{31}`) or a :class:`~numpyro_fed.bits.BitCounter` (any length up to
+        :math:`2^{64} - 1`; :func:`numpyro_fed.bits.bit_count` converts a Python int).
     :param nominal_bits: ``d -> int``, the size in bits of a fixed-width encoding of a
         message of dimension ``d``.
     :param omega: ``d -> float``, the variance factor :math:`\\omega` of an unbiased
@@ -97,6 +114,13 @@ class Compressor(NamedTuple):
     :param unbiased: Whether :math:`\\mathbb{E}[C(v)] = v` for every ``v``.
     :param randomised: Whether ``fn`` uses its key (``False`` for identity and top-k: a
         kernel may then skip deriving a key for it).
+    :param static_bits: ``d -> int``, the coded length of *every* message of dimension
+        ``d`` when it does not depend on the message (identity, top-k, rand-k); ``None``
+        when it does. Kernels then count ``b * static_bits(d)`` bits per round exactly,
+        without reading ``fn``'s lengths.
+    :param max_bits: ``d -> int``, an upper bound of the coded length of a message of
+        dimension ``d`` (``None``: unknown). It only selects the kernels' arithmetic: one
+        ``int32`` sum over clients while ``b * max_bits(d) < 2**31``, two words beyond.
 
     A compressor is called like its ``fn`` and can be mapped directly, e.g.
     ``jax.jit(jax.vmap(comp))(keys, vs)`` compresses a batch of client messages.  To
@@ -113,6 +137,8 @@ class Compressor(NamedTuple):
     alpha: Callable[[int], float] | None
     unbiased: bool
     randomised: bool = True
+    static_bits: Callable[[int], int] | None = None
+    max_bits: Callable[[int], int] | None = None
 
     def __call__(self, key: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Compress ``v`` using randomness from ``key``; see :attr:`fn`."""
@@ -196,8 +222,9 @@ def _suffix(float_bits: int) -> str:
     return "" if float_bits == 32 else f", float_bits={float_bits}"
 
 
-def _int32(x: int) -> jax.Array:
-    return jnp.asarray(x, dtype=jnp.int32)
+def _gamma_bound(n: int) -> int:
+    """Length of the Elias-gamma codeword of ``n >= 1`` (a Python int)."""
+    return 2 * (n.bit_length() - 1) + 1
 
 
 # --------------------------------------------------------------------------------------
@@ -219,7 +246,7 @@ def identity(float_bits: int = 32) -> Compressor:
     def fn(key: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
         del key
         v = _check_vector(v, "identity")
-        return v, _int32(float_bits * v.shape[0])
+        return v, bit_count(float_bits * v.shape[0])
 
     setattr(fn, _IDENTITY_MARKER, True)
     name = "identity" if float_bits == 32 else f"identity(float_bits={float_bits})"
@@ -231,6 +258,8 @@ def identity(float_bits: int = 32) -> Compressor:
         alpha=lambda d: 1.0,
         unbiased=True,
         randomised=False,
+        static_bits=lambda d: float_bits * d,
+        max_bits=lambda d: float_bits * d,
     )
 
 
@@ -269,7 +298,11 @@ def quantize(
         + \\sum_{j:\\, l_j \\ne 0} \\big[\\gamma(\\mathrm{gap}_j) + 1 + \\gamma(l_j)\\big],
 
     i.e. the norm, the count of nonzero entries, then for each nonzero entry its
-    position gap, its sign and its level.
+    position gap, its sign and its level.  The length is data-dependent; ``max_bits(d) =
+    float_bits + gamma(d + 1) + d * (gamma(d) + 1 + gamma(s))`` bounds it. It is returned as
+    an ``int32`` scalar while that bound is below :math:`2^{31}` (the same arithmetic as
+    always), else summed exactly in two words and returned as a
+    :class:`~numpyro_fed.bits.BitCounter`.
 
     :param levels: Number of levels :math:`s \\ge 1`.
     :param bits: Alternatively, a number of bits :math:`b \\ge 0`, giving
@@ -296,10 +329,23 @@ def quantize(
             raise ValueError(f"quantize: `levels` must be <= 2**24, got {s}.")
     float_bits = _check_int("float_bits", float_bits, minimum=1)
     level_bits = ceil_log2(s + 1)
+    level_gamma = _gamma_bound(s)
+
+    def coord_bound(d: int) -> int:
+        # a nonzero coordinate: position gap <= d, a sign bit, a level <= s
+        return _gamma_bound(max(d, 1)) + 1 + level_gamma
+
+    def max_bits(d: int) -> int:
+        return float_bits + _gamma_bound(d + 1) + d * coord_bound(d)
 
     def fn(key: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
         v = _check_vector(v, "quantize")
         d = v.shape[0]
+        if d >= 2**31:
+            raise ValueError(
+                f"quantize: message dimension d={d} needs coordinate indices beyond int32; "
+                f"split the message into blocks of fewer than 2**31 coordinates."
+            )
         norm = jnp.linalg.norm(v)
         safe_norm = jnp.where(norm > 0, norm, jnp.ones_like(norm))
         # Multiply before dividing so that exact ratios (e.g. one-hot v) stay exact.
@@ -317,12 +363,12 @@ def quantize(
         prev_nz = jnp.concatenate([jnp.full((1,), -1, jnp.int32), last_nz[:-1]])
         per_coord = elias_gamma_length(idx - prev_nz) + 1 + elias_gamma_length(lvl)
         nnz = jnp.sum(nz, dtype=jnp.int32)
-        coded = (
-            float_bits
-            + elias_gamma_length(nnz + 1)
-            + jnp.sum(jnp.where(nz, per_coord, 0), dtype=jnp.int32)
-        )
-        return v_hat, coded.astype(jnp.int32)
+        head = float_bits + elias_gamma_length(nnz + 1)
+        if max_bits(d) < INT32_LIMIT:  # static: the length fits in one int32 word
+            coded = head + jnp.sum(jnp.where(nz, per_coord, 0), dtype=jnp.int32)
+            return v_hat, coded.astype(jnp.int32)
+        body = sum_small(jnp.where(nz, per_coord, 0), coord_bound(d))
+        return v_hat, bits_add(body, head)
 
     return Compressor(
         name=f"quantize(s={s}{_suffix(float_bits)})",
@@ -331,6 +377,7 @@ def quantize(
         omega=lambda d: min(d / s**2, math.sqrt(d) / s),
         alpha=None,
         unbiased=True,
+        max_bits=max_bits,
     )
 
 
@@ -360,7 +407,7 @@ def top_k(k: int, float_bits: int = 32) -> Compressor:
         _check_k_le_d(k, d, "top_k")
         _, idx = lax.top_k(jnp.abs(v), k)
         v_hat = jnp.zeros_like(v).at[idx].set(v[idx])
-        return v_hat, _int32(k * (float_bits + ceil_log2(d)))
+        return v_hat, bit_count(k * (float_bits + ceil_log2(d)))
 
     return Compressor(
         name=name,
@@ -370,6 +417,8 @@ def top_k(k: int, float_bits: int = 32) -> Compressor:
         alpha=lambda d: k / d,
         unbiased=False,
         randomised=False,
+        static_bits=lambda d: k * (float_bits + ceil_log2(d)),
+        max_bits=lambda d: k * (float_bits + ceil_log2(d)),
     )
 
 
@@ -398,7 +447,7 @@ def rand_k(k: int, float_bits: int = 32) -> Compressor:
         _check_k_le_d(k, d, "rand_k")
         _, idx = lax.top_k(jax.random.bits(key, (d,), dtype=jnp.uint32), k)
         v_hat = jnp.zeros_like(v).at[idx].set(v[idx] * (d / k))
-        return v_hat, _int32(k * (float_bits + ceil_log2(d)))
+        return v_hat, bit_count(k * (float_bits + ceil_log2(d)))
 
     return Compressor(
         name=name,
@@ -407,6 +456,8 @@ def rand_k(k: int, float_bits: int = 32) -> Compressor:
         omega=lambda d: d / k - 1,
         alpha=None,
         unbiased=True,
+        static_bits=lambda d: k * (float_bits + ceil_log2(d)),
+        max_bits=lambda d: k * (float_bits + ceil_log2(d)),
     )
 
 
@@ -446,6 +497,8 @@ def scaled(compressor: Compressor) -> Compressor:
         alpha=lambda d: 1.0 / (inner_omega(d) + 1.0),
         unbiased=False,
         randomised=compressor.randomised,
+        static_bits=compressor.static_bits,
+        max_bits=compressor.max_bits,
     )
 
 

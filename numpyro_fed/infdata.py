@@ -33,8 +33,9 @@ __all__ = ["to_inference_data", "communication_summary"]
 def communication_summary(mcmc) -> dict[str, Any]:
     """Cumulative bits of a finished federated run, per chain and in total.
 
-    :return: dict with ``up``, ``down`` (arrays over chains, exact integers), ``total``,
-        ``per_step_up`` / ``per_step_down`` (mean bits per iteration over kept draws).
+    :return: dict with ``up``, ``down`` (``int64`` arrays over chains, exact), ``total``,
+        ``per_step_up`` / ``per_step_down`` (mean bits per iteration over kept draws, from
+        the exact ``int64`` per-step counts collected with ``extra_fields``).
     """
     kernel = mcmc.sampler
     if not isinstance(kernel, FederatedKernel):
@@ -46,12 +47,13 @@ def communication_summary(mcmc) -> dict[str, Any]:
     out = {"up": up, "down": down, "total": up + down}
     for j, name in enumerate(("bits_up", "bits_down")):
         if name in extra:
-            per_step = np.asarray(extra[name], np.float64)
+            per_step = counter_value(extra[name])
         elif "bits" in extra:
-            per_step = np.asarray(extra["bits"], np.float64)[..., j]
+            per_step = counter_value(extra["bits"])[..., j]
         else:
             continue
-        out["per_step_" + name[5:]] = float(np.mean(per_step))
+        out["per_step_" + name[5:]] = (int(np.sum(per_step)) / per_step.size if per_step.size
+                                       else float("nan"))
     return out
 
 

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax import random
 from numpyro.infer.initialization import init_to_uniform
 
+from numpyro_fed.bits import scale_bits
 from numpyro_fed.compressors import Compressor, get_compressor, identity
 from numpyro_fed.distributed.participation import (
     check_participation,
@@ -289,7 +290,11 @@ class ELF(FederatedKernel):
     def _broadcast_update(self, key, x_new, w, data):
         """EF21-P downlink: ``w + Q^P(x_new - w)`` and the bits received by the clients."""
         v, bits = self.downlink(key, x_new - w)
-        return w + v, (data.num_clients * bits).astype(jnp.int32)
+        comp, d = self.downlink, x_new.shape[-1]
+        if comp.static_bits is not None:
+            return w + v, data.num_clients * int(comp.static_bits(d))
+        bound = None if comp.max_bits is None else int(comp.max_bits(d))
+        return w + v, scale_bits(bits, data.num_clients, max_bits=bound)
 
     # -- algorithm interface -------------------------------------------------------------
     def init_extra(self, key, x, data):
@@ -322,7 +327,7 @@ class ELF(FederatedKernel):
         if self._compress_down:
             w_new, down = self._broadcast_update(k_down, x_new, extra.w, data)
         else:
-            w_new, down = x_new, jnp.int32(self._dense_bits(data))
+            w_new, down = x_new, self._dense_bits(data)
         # clients: local gradients at the model they hold
         h = self.oracle(k_batch, w_new, data)
         if self.participation < 1.0:
@@ -333,7 +338,7 @@ class ELF(FederatedKernel):
             g_local = extra.g_local + c
             g = extra.g + jnp.sum(c, axis=0)
         else:
-            g_local, g, up = h, jnp.sum(h, axis=0), jnp.int32(self._dense_bits(data))
+            g_local, g, up = h, jnp.sum(h, axis=0), self._dense_bits(data)
         return x_new, ELFState(g_local=g_local, g=g, w=w_new), up, down
 
     def _partial_uplink(self, key, k_up, x_new, w_new, down, h, extra, data):
@@ -342,18 +347,16 @@ class ELF(FederatedKernel):
         b = data.num_clients
         mask = participation_mask(key, self.participation, b)
         if self._compress_up:
-            keys = random.split(k_up, b)
-            c, bits = jax.vmap(self.uplink)(keys, h - extra.g_local)
+            c, up = self.compress_all(k_up, h - extra.g_local, self.uplink, mask=mask)
             c = jnp.where(mask[:, None], c, 0.0)
             g_local = extra.g_local + c
             g = extra.g + jnp.sum(c, axis=0)
-            up = jnp.sum(jnp.where(mask, bits, 0)).astype(jnp.int32)
         else:
             g_local = jnp.where(mask[:, None], h, extra.g_local)
             g = extra.g + jnp.sum(g_local - extra.g_local, axis=0)
-            up = (jnp.sum(mask.astype(jnp.int32)) * 32 * self.potential.dim).astype(jnp.int32)
+            up = self.count_clients_bits(mask, 32 * self.potential.dim)
         if not self._compress_down:  # D-ELF: x_{k+1} goes to the participants only
-            down = (jnp.sum(mask.astype(jnp.int32)) * 32 * self.potential.dim).astype(jnp.int32)
+            down = self.count_clients_bits(mask, 32 * self.potential.dim)
         new = ELFState(g_local=g_local, g=g, w=w_new, participants=mask)
         return x_new, new, up, down
 

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import random
 from jax.flatten_util import ravel_pytree
 from numpyro.infer.hmc_util import dual_averaging
@@ -34,7 +35,16 @@ from numpyro.infer.util import initialize_model
 from numpyro.util import identity
 
 from numpyro_fed.algorithms.langevin import mala_log_ratio
-from numpyro_fed.bits import BitCounter, counter_value, totals_add, totals_counter, totals_zeros
+from numpyro_fed.bits import (
+    BitCounter,
+    count_times,
+    counter_value,
+    step_bits,
+    sum_bits,
+    totals_add,
+    totals_counter,
+    totals_zeros,
+)
 from numpyro_fed.compressors import Compressor, get_compressor
 from numpyro_fed.kernels.base import (
     DivergenceGuard,
@@ -466,13 +476,15 @@ class FedState(NamedTuple):
 
     - **i** -- iteration counter, shared by vectorized chains.
     - **z** -- current sample: dict of unconstrained site values.
-    - **bits** -- ``int32[2]``: the bits of this step, ``(up, down)``. Up: client -> server,
-      summed over clients; down: server -> clients, summed over the clients that receive the
-      broadcast. Also readable as the properties ``bits_up`` and ``bits_down``.
-    - **totals** -- ``int32[2, 2]``: the cumulative counters of both directions including
-      warmup, thinned-out steps and one-off rounds at ``init``
-      (:func:`~numpyro_fed.bits.totals_add`); read them as the
-      :class:`~numpyro_fed.bits.BitCounter` properties ``total_up`` and ``total_down``.
+    - **bits** -- a :class:`~numpyro_fed.bits.BitCounter` of shape ``(2,)``: the bits of
+      this step, ``(up, down)``, exact to :math:`2^{64}` in float32 mode (``uint32`` words
+      ``(2, 2)``; on the host ``np.asarray(state.bits)`` is ``int64``). Up: client ->
+      server, summed over clients; down: server -> clients, summed over the clients that
+      receive the broadcast. Also readable as the properties ``bits_up`` and ``bits_down``.
+    - **totals** -- a :class:`~numpyro_fed.bits.BitCounter` of shape ``(2,)``: the
+      cumulative counters of both directions including warmup, thinned-out steps and
+      one-off rounds at ``init`` (:func:`~numpyro_fed.bits.totals_add`); also the properties
+      ``total_up`` and ``total_down``.
     - **extra** -- algorithm-specific state (memory terms, control variates, error feedback).
     - **rng_key** -- random key.
     - **data** -- the client partition (shared by chains).
@@ -487,8 +499,8 @@ class FedState(NamedTuple):
 
     i: jax.Array
     z: dict
-    bits: jax.Array
-    totals: jax.Array
+    bits: BitCounter
+    totals: BitCounter
     extra: Any
     rng_key: jax.Array
     data: ClientPartition
@@ -503,14 +515,15 @@ class FedState(NamedTuple):
         return tuple.__getitem__(self, key)
 
     @property
-    def bits_up(self) -> jax.Array:
-        """Bits sent client -> server at this step (summed over clients)."""
-        return self.bits[..., 0]
+    def bits_up(self) -> BitCounter:
+        """Bits sent client -> server at this step (summed over clients); exact ``int64`` on
+        the host (``np.asarray``), also as collected by ``extra_fields=("bits_up",)``."""
+        return self.bits.component(0)
 
     @property
-    def bits_down(self) -> jax.Array:
+    def bits_down(self) -> BitCounter:
         """Bits sent server -> clients at this step."""
-        return self.bits[..., 1]
+        return self.bits.component(1)
 
     @property
     def total_up(self) -> BitCounter:
@@ -707,7 +720,7 @@ class FederatedKernel(MCMCKernel):
             # gradients federated and centralised chains are identical
             extra, up, down = kern.init_extra(random.fold_in(key, 2), x, data)
             return FedState(
-                jnp.zeros((), jnp.int32), pot.unravel(x), jnp.zeros((2,), jnp.int32),
+                jnp.zeros((), jnp.int32), pot.unravel(x), step_bits(0, 0),
                 totals_add(totals_zeros(), up, down), extra, key, data, self._guard(),
             )
 
@@ -725,11 +738,10 @@ class FederatedKernel(MCMCKernel):
             rng_key, k_noise, k_alg = random.split(s.rng_key, 3)
             x = pot.ravel(s.z)
             x_new, extra, up, down = kern.step(k_alg, k_noise, i, x, s.extra, data)
-            bits = jnp.stack(jnp.broadcast_arrays(jnp.asarray(up, jnp.int32),
-                                                  jnp.asarray(down, jnp.int32)))
+            bits = step_bits(up, down)
             guard = s.guard.update(x_new, i + 1) if self.check_finite else s.guard
             return FedState(
-                s.i, pot.unravel(x_new), bits, totals_add(s.totals, up, down),
+                s.i, pot.unravel(x_new), bits, totals_add(s.totals, bits),
                 extra, rng_key, s.data, guard,
             )
 
@@ -741,21 +753,23 @@ class FederatedKernel(MCMCKernel):
         return new._replace(i=i + 1)
 
     def get_diagnostics_str(self, state):
-        up = float(state.bits_up) / 1e3
-        total = float(counter_value(state.total_up) + counter_value(state.total_down)) / 8e6
+        up = float(np.sum(counter_value(state.bits_up))) / 1e3
+        total = float(np.sum(counter_value(state.total_up) + counter_value(state.total_down))) / 8e6
         return f"step size {self._step_size:.2e}. {up:.1f} kbit up/step, {total:.3g} MB total"
 
     # -- algorithm interface -------------------------------------------------------------
     def init_extra(self, key, x, data):
         """Per-chain algorithm state and the bits of one-off rounds at initialisation.
 
-        :return: ``(extra, bits_up, bits_down)``; bits are Python ints or int32 arrays.
+        :return: ``(extra, bits_up, bits_down)``; bits are Python ints, non-negative int32
+            arrays (below :math:`2^{31}`) or :class:`~numpyro_fed.bits.BitCounter`.
         """
         return (), 0, self.broadcast_bits(data)
 
     @abstractmethod
     def step(self, key, noise_key, i, x, extra, data):
-        """One iteration from flat ``x``; returns ``(x_new, extra, bits_up, bits_down)``."""
+        """One iteration from flat ``x``; returns ``(x_new, extra, bits_up, bits_down)``, the
+        bits as in :meth:`init_extra` (counted exactly, see :mod:`numpyro_fed.bits`)."""
 
     # -- helpers shared by subclasses ----------------------------------------------------
     def broadcast_bits(self, data: ClientPartition) -> int:
@@ -768,12 +782,39 @@ class FederatedKernel(MCMCKernel):
             return self.potential.full_grads(x, data)
         return self.potential.batch_grads(key, x, data, self.batch_size)
 
-    def compress_all(self, key, messages, compressor: Compressor | None = None):
-        """Compress each client's message (vmapped); return ``(decoded, total bits)``."""
+    def compress_all(self, key, messages, compressor: Compressor | None = None,
+                     mask: jax.Array | None = None):
+        """Compress each client's message (vmapped); return ``(decoded, total bits)``, the
+        total over the clients where ``mask`` holds (all by default), see
+        :meth:`client_bits`."""
         comp = self.compressor if compressor is None else compressor
         keys = random.split(key, messages.shape[0])
         decoded, bits = jax.vmap(comp)(keys, messages)
-        return decoded, jnp.sum(bits).astype(jnp.int32)
+        return decoded, self.client_bits(bits, comp, messages.shape[-1], mask)
+
+    @staticmethod
+    def client_bits(bits, comp: Compressor, d: int, mask: jax.Array | None = None):
+        """Exact total of the clients' coded lengths ``bits`` (one per client, ``int32`` or
+        :class:`~numpyro_fed.bits.BitCounter`) of messages of dimension ``d`` compressed by
+        ``comp``, over the clients where ``mask`` holds (all when ``None``).
+
+        A static coded length (``comp.static_bits``) gives a Python int (all clients) or a
+        dynamic count of clients times that length; otherwise the lengths are summed in
+        ``int32`` while ``comp.max_bits`` bounds the sum below :math:`2^{31}`, else in two
+        words (:func:`~numpyro_fed.bits.sum_bits`)."""
+        b = jax.tree.leaves(bits)[0].shape[0]
+        if comp.static_bits is not None:
+            length = int(comp.static_bits(d))
+            if mask is None:
+                return b * length
+            return count_times(jnp.sum(mask, dtype=jnp.int32), length, max_count=b)
+        bound = None if comp.max_bits is None else int(comp.max_bits(d))
+        return sum_bits(bits, max_each=bound, mask=mask)
+
+    def count_clients_bits(self, mask: jax.Array, length: int):
+        """Exact bits of a message of static ``length`` to or from the clients where ``mask``
+        holds."""
+        return count_times(jnp.sum(mask, dtype=jnp.int32), length, max_count=mask.shape[0])
 
     def communication(self, state) -> dict:
         """Cumulative bits of a state (per chain): ``{"up": ..., "down": ..., "total": ...}``."""
@@ -817,4 +858,4 @@ class FederatedLangevin(FederatedKernel):
         h, up = self.compress_all(k_comp, h)
         g = self.potential.server_grad(x) + jnp.sum(h, axis=0)
         x_new = langevin_move(noise_key, x, g, self._step_size)
-        return x_new, extra, up, jnp.int32(self.broadcast_bits(data))
+        return x_new, extra, up, self.broadcast_bits(data)

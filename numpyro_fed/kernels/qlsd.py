@@ -528,7 +528,7 @@ class QLSD(FederatedKernel):
             g = jnp.sum(msg, 0)
         g = g + offset + self.potential.server_grad(x)
         x_new = langevin_move(noise_key, x, g, self._step_size)
-        return x_new, extra, up, jnp.int32(self.broadcast_bits(data))
+        return x_new, extra, up, self.broadcast_bits(data)
 
     def _partial_step(self, key, noise_key, i, x, extra, data):
         """One round with partial participation: clients in :math:`S_k` (drawn by
@@ -543,9 +543,7 @@ class QLSD(FederatedKernel):
         h, offset, extra = self.client_messages(k_batch, i, x, extra, data)
         alpha = self.memory_rate
         centred = h - extra.eta_clients if alpha > 0 else h
-        keys = random.split(k_comp, b)
-        msg, bits = jax.vmap(self.compressor)(keys, centred)
-        up = jnp.sum(jnp.where(mask, bits, 0)).astype(jnp.int32)
+        msg, up = self.compress_all(k_comp, centred, mask=mask)
         weights = ratio_weights(mask).astype(msg.dtype)
         g = jnp.sum(weights[:, None] * msg, 0)
         if alpha > 0:
@@ -557,7 +555,7 @@ class QLSD(FederatedKernel):
             )
         g = g + offset + self.potential.server_grad(x)
         x_new = langevin_move(noise_key, x, g, self._step_size)
-        down = (jnp.sum(mask.astype(jnp.int32)) * 32 * self.potential.dim).astype(jnp.int32)
+        down = self.count_clients_bits(mask, 32 * self.potential.dim)
         return x_new, extra._replace(participants=mask), up, down
 
     def _display_name(self) -> str:
