@@ -417,11 +417,10 @@ def scale_model(y):
     ({"mu": np.array([0.0, np.nan]), "sigma": 1.0}, r"`theta_star\['mu'\]` has non-finite"),
 ])
 def test_theta_star_errors_name_the_site(theta_star, match):
-    kernel = QLSD(scale_model, gauss_clients(), variant="*", step_size=1e-3, bits=4,
-                  theta_star=theta_star)
-    mcmc = MCMC(kernel, num_warmup=0, num_samples=2, progress_bar=False)
+    """Refused when the kernel is built (not at MCMC.run)."""
     with pytest.raises(ValueError, match=match):
-        mcmc.run(random.key(0))
+        QLSD(scale_model, gauss_clients(), variant="*", step_size=1e-3, bits=4,
+             theta_star=theta_star)
 
 
 def test_int_seed_to_mcmc_run_says_how_to_make_a_key():
