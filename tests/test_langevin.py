@@ -1,6 +1,7 @@
 """ULA, MALA and the federated Langevin kernel inside numpyro.infer.MCMC."""
 
 import arviz as az
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -323,8 +324,29 @@ def test_extra_fields_of_hmc_work_or_say_why_not():
     fed = MCMC(FederatedLangevin(gauss_model, part, step_size=1e-3), num_warmup=0,
                num_samples=2, progress_bar=False)
     with pytest.raises(AttributeError, match=r"FedState has no field 'potential_energy': the "
-                                             r"federated kernels never evaluate U.*'bits_up'"):
+                                             r"kernel was built without `track_potential=True`"
+                                             r".*'bits_up'"):
         fed.run(random.key(0), extra_fields=("potential_energy",))
+    # with track_potential=True: U(z) of every draw, the same chain, 32 more bits per client
+    kern = FederatedLangevin(gauss_model, part, step_size=1e-3, batch_size=3,
+                             track_potential=True)
+    tracked = MCMC(kern, num_warmup=2, num_samples=4, progress_bar=False)
+    tracked.run(random.key(0), extra_fields=("potential_energy", "bits_up"))
+    plain = MCMC(FederatedLangevin(gauss_model, part, step_size=1e-3, batch_size=3),
+                 num_warmup=2, num_samples=4, progress_bar=False)
+    plain.run(random.key(0), extra_fields=("bits_up",))
+    z, zp = tracked.get_samples(), plain.get_samples()
+    for k in z:
+        np.testing.assert_array_equal(np.asarray(z[k]), np.asarray(zp[k]))
+    pot = kern.potential
+    x = jax.vmap(pot.unconstrain)(z)
+    np.testing.assert_allclose(tracked.get_extra_fields()["potential_energy"],
+                               jax.vmap(lambda v: pot.potential(v, part))(x), rtol=1e-5)
+    np.testing.assert_array_equal(
+        np.asarray(tracked.get_extra_fields()["bits_up"]),
+        np.asarray(plain.get_extra_fields()["bits_up"]) + 32 * part.num_clients)
+    with pytest.raises(TypeError, match="track_potential"):
+        FederatedLangevin(gauss_model, part, step_size=1e-3, track_potential="yes")
     with pytest.raises(AttributeError, match="ULA is unadjusted"):
         MCMC(ULA(logistic_regression, step_size=1e-3), num_warmup=0, num_samples=2,
              progress_bar=False).run(random.key(0), X=X, y=y, extra_fields=("accept_prob",))

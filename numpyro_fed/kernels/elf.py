@@ -224,6 +224,7 @@ class ELF(FederatedKernel):
         postprocess_deterministic: bool = True,
         potential: FederatedPotential | None = None,
         participation: float = 1.0,
+        track_potential: bool = False,
     ) -> None:
         self.participation = check_participation(participation)
         variant = type(self).variant if variant is None else variant
@@ -265,6 +266,7 @@ class ELF(FederatedKernel):
             check_finite=check_finite,
             postprocess_deterministic=postprocess_deterministic,
             potential=potential,
+            track_potential=track_potential,
         )
         self.uplink = up
         self.downlink = down

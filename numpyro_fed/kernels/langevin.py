@@ -37,6 +37,7 @@ from numpyro.util import identity
 from numpyro_fed.algorithms.langevin import mala_log_ratio
 from numpyro_fed.bits import (
     BitCounter,
+    bits_add,
     count_times,
     counter_value,
     step_bits,
@@ -76,10 +77,9 @@ _DIVERGED = (
 
 _FIELD_HINTS = {
     ("FedState", "potential_energy"): (
-        "the federated kernels never evaluate U on all the data (clients send gradients "
-        "only); evaluate it on the draws afterwards, e.g. with "
-        "kernel.potential.potential(x, kernel.partition) on raveled draws, or use ULA/MALA "
-        "on the pooled data"),
+        "the kernel was built without `track_potential=True` (clients send gradients only; "
+        "with it, every client also evaluates U_i on all its rows and sends it, 32 bits per "
+        "client and step)"),
     ("FedState", "accept_prob"): "the federated kernels are unadjusted (no accept step)",
     ("LangevinState", "accept_prob"): "ULA is unadjusted (no accept step); MALA records it",
     ("FedState", "diverging"): (
@@ -491,6 +491,10 @@ class FedState(NamedTuple):
     - **guard** -- :class:`~numpyro_fed.kernels.base.DivergenceGuard`, one per chain: the
       first non-finite iteration (``-1``: none). A state that holds one raises
       :class:`~numpyro_fed.kernels.base.DivergenceError` when it leaves compiled code.
+    - **energy** -- with ``track_potential=True``: :math:`U(z)` on all the data (readable
+      as ``potential_energy``, e.g. ``extra_fields=("potential_energy",)``); ``None``
+      otherwise, and then asking for ``potential_energy`` raises an ``AttributeError`` that
+      says how to get it.
 
     The bits of a step are one array, not two fields, because NumPyro's sampling loop pays
     a guarded write per collected field and step (about 0.3 us on CPU, 4% of a small
@@ -505,6 +509,7 @@ class FedState(NamedTuple):
     rng_key: jax.Array
     data: ClientPartition
     guard: DivergenceGuard
+    energy: Any = None
 
     def __getattr__(self, name: str):
         raise _missing_field(self, name)
@@ -513,6 +518,13 @@ class FedState(NamedTuple):
         if isinstance(key, str):  # NumPyro's field getter tries state[name] after getattr
             raise _missing_field(self, key)
         return tuple.__getitem__(self, key)
+
+    @property
+    def potential_energy(self) -> jax.Array:
+        """:math:`U(z)` (kernels built with ``track_potential=True`` only)."""
+        if self.energy is None:
+            raise AttributeError("potential_energy")  # -> __getattr__: the explanation
+        return self.energy
 
     @property
     def bits_up(self) -> BitCounter:
@@ -556,6 +568,12 @@ class FederatedKernel(MCMCKernel):
     :param check_finite: stop with a clear error when a chain becomes non-finite.
     :param postprocess_deterministic: return deterministic sites (replays the model on the
         pooled data for every kept draw; set ``False`` for speed on large data).
+    :param track_potential: also compute :math:`U(z) = U_0(z) + \\sum_i U_i(z)` at every
+        step, on all the rows of every client (whatever ``batch_size``), as NumPyro's HMC
+        records it: state field ``energy``, collected with
+        ``extra_fields=("potential_energy",)``. Each client sends its :math:`U_i` as one
+        float32, counted as 32 bits per client and step on the uplink. Default ``False``:
+        a minibatch kernel never touches all rows.
     """
 
     sample_field = "z"
@@ -578,8 +596,12 @@ class FederatedKernel(MCMCKernel):
         check_finite: bool = True,
         postprocess_deterministic: bool = True,
         potential: FederatedPotential | None = None,
+        track_potential: bool = False,
     ) -> None:
         self._step_size = check_step_size(step_size)
+        if not isinstance(track_potential, bool):
+            raise TypeError(f"`track_potential` must be True or False, got {track_potential!r}.")
+        self.track_potential = track_potential
         if potential is None:
             potential = FederatedPotential(
                 model, partition, prior=prior, likelihood_weight=likelihood_weight
@@ -622,6 +644,7 @@ class FederatedKernel(MCMCKernel):
     def _state_axes(self) -> FedState:
         return FedState(
             i=None, z=0, bits=0, totals=0, extra=0, rng_key=0, data=None, guard=0,
+            energy=0 if self.track_potential else None,
         )
 
     def _display_name(self) -> str:
@@ -719,9 +742,11 @@ class FederatedKernel(MCMCKernel):
             # the chain key itself is left untouched (as in ULA), so that with equal
             # gradients federated and centralised chains are identical
             extra, up, down = kern.init_extra(random.fold_in(key, 2), x, data)
+            energy, e_bits = self._energy(pot, x, data)
+            up = up if e_bits is None else bits_add(up, e_bits)
             return FedState(
                 jnp.zeros((), jnp.int32), pot.unravel(x), step_bits(0, 0),
-                totals_add(totals_zeros(), up, down), extra, key, data, self._guard(),
+                totals_add(totals_zeros(), up, down), extra, key, data, self._guard(), energy,
             )
 
         if self._vectorized:
@@ -738,11 +763,14 @@ class FederatedKernel(MCMCKernel):
             rng_key, k_noise, k_alg = random.split(s.rng_key, 3)
             x = pot.ravel(s.z)
             x_new, extra, up, down = kern.step(k_alg, k_noise, i, x, s.extra, data)
-            bits = step_bits(up, down)
+            energy, e_bits = self._energy(pot, x_new, data)
+            bits = step_bits(up if e_bits is None else bits_add(up, e_bits), down)
             guard = s.guard.update(x_new, i + 1) if self.check_finite else s.guard
+            if energy is not None and self.check_finite:
+                guard = guard.update(energy, i + 1)
             return FedState(
                 s.i, pot.unravel(x_new), bits, totals_add(s.totals, bits),
-                extra, rng_key, s.data, guard,
+                extra, rng_key, s.data, guard, energy,
             )
 
         if self._vectorized:
@@ -751,6 +779,12 @@ class FederatedKernel(MCMCKernel):
         else:
             new = one(state)
         return new._replace(i=i + 1)
+
+    def _energy(self, pot, x, data):
+        """``(U(x), its uplink bits)`` with ``track_potential``, else ``(None, None)``."""
+        if not self.track_potential:
+            return None, None
+        return pot.potential(x, data), 32 * data.num_clients
 
     def get_diagnostics_str(self, state):
         up = float(np.sum(counter_value(state.bits_up))) / 1e3
