@@ -225,9 +225,10 @@ def test_run_level_misuse_is_named():
 
 
 # --------------------------------------------------------------------- no silent non-finite
-# Each entry point run at a step size that keeps it finite and at one far past its stability
-# limit (the Gaussian potential's curvature is about N / sigma^2 >= 100: gamma = 1 diverges
-# within a few steps): either it raises DivergenceError or every draw is finite.
+# Each entry point run at a step size far past its stability limit (the Gaussian potential's
+# curvature is about N / sigma^2 >= 100: gamma = 1 diverges within a few steps; MALA rejects
+# instead): either it raises DivergenceError or every draw is finite. (Finite runs at stable
+# step sizes are what every other test of the kernels does.)
 ENTRY_POINTS = {
     **{name: (lambda step, name=name: (build(name, step_size=step), {})) for name in KERNELS},
     "shard_kernel": lambda step: (shard_kernel(build("QLSD", step_size=step)), {}),
@@ -238,7 +239,7 @@ ENTRY_POINTS = {
 
 
 @pytest.mark.parametrize("name", list(ENTRY_POINTS))
-@pytest.mark.parametrize("step", [1e-3, 1.0])
+@pytest.mark.parametrize("step", [1.0])
 def test_no_entry_point_returns_non_finite_draws(name, step):
     kern, kwargs = ENTRY_POINTS[name](step)
     mcmc = MCMC(kern, num_warmup=5, num_samples=30, num_chains=2,

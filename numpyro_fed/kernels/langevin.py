@@ -107,6 +107,19 @@ def _missing_field(state: Any, name: str) -> AttributeError:
     )
 
 
+def _state_getattr(state: Any, name: str):
+    """``__getattr__`` of the kernels' states: a missing field is explained."""
+    raise _missing_field(state, name)
+
+
+def _state_getitem(state: Any, key):
+    """``__getitem__`` of the kernels' states: NumPyro's field getter tries ``state[name]``
+    after ``getattr``, which must explain a missing field too."""
+    if isinstance(key, str):
+        raise _missing_field(state, key)
+    return tuple.__getitem__(state, key)
+
+
 # ============================================================================ ULA / MALA
 class LangevinState(NamedTuple):
     """State of :class:`ULA`.
@@ -128,13 +141,8 @@ class LangevinState(NamedTuple):
     rng_key: jax.Array
     guard: DivergenceGuard
 
-    def __getattr__(self, name: str):
-        raise _missing_field(self, name)
-
-    def __getitem__(self, key):
-        if isinstance(key, str):  # NumPyro's field getter tries state[name] after getattr
-            raise _missing_field(self, key)
-        return tuple.__getitem__(self, key)
+    __getattr__ = _state_getattr
+    __getitem__ = _state_getitem
 
 
 class MALAState(NamedTuple):
@@ -164,13 +172,8 @@ class MALAState(NamedTuple):
     rng_key: jax.Array
     guard: DivergenceGuard
 
-    def __getattr__(self, name: str):
-        raise _missing_field(self, name)
-
-    def __getitem__(self, key):
-        if isinstance(key, str):  # NumPyro's field getter tries state[name] after getattr
-            raise _missing_field(self, key)
-        return tuple.__getitem__(self, key)
+    __getattr__ = _state_getattr
+    __getitem__ = _state_getitem
 
 
 class _ModelLangevinBase(MCMCKernel):
@@ -511,13 +514,8 @@ class FedState(NamedTuple):
     guard: DivergenceGuard
     energy: Any = None
 
-    def __getattr__(self, name: str):
-        raise _missing_field(self, name)
-
-    def __getitem__(self, key):
-        if isinstance(key, str):  # NumPyro's field getter tries state[name] after getattr
-            raise _missing_field(self, key)
-        return tuple.__getitem__(self, key)
+    __getattr__ = _state_getattr
+    __getitem__ = _state_getitem
 
     @property
     def potential_energy(self) -> jax.Array:
