@@ -65,6 +65,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -74,7 +75,9 @@ from jax import lax
 from numpyro_fed.bits import INT32_LIMIT, bit_count, bits_add, sum_small
 
 __all__ = [
+    "COMPRESSOR_KINDS",
     "Compressor",
+    "CompressorSpec",
     "ceil_log2",
     "elias_gamma_length",
     "get_compressor",
@@ -121,6 +124,10 @@ class Compressor(NamedTuple):
     :param max_bits: ``d -> int``, an upper bound of the coded length of a message of
         dimension ``d`` (``None``: unknown). It only selects the kernels' arithmetic: one
         ``int32`` sum over clients while ``b * max_bits(d) < 2**31``, two words beyond.
+    :param spec: The :class:`CompressorSpec` (kind and parameters) of a compressor built by
+        this module's factories, which the Flower wire codec reads; ``None`` for a custom
+        compressor (which therefore cannot be deployed). A compressor derived with
+        ``_replace(fn=...)`` must also set ``spec=None``: the spec describes ``fn``.
 
     A compressor is called like its ``fn`` and can be mapped directly, e.g.
     ``jax.jit(jax.vmap(comp))(keys, vs)`` compresses a batch of client messages.  To
@@ -139,6 +146,7 @@ class Compressor(NamedTuple):
     randomised: bool = True
     static_bits: Callable[[int], int] | None = None
     max_bits: Callable[[int], int] | None = None
+    spec: CompressorSpec | None = None
 
     def __call__(self, key: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Compress ``v`` using randomness from ``key``; see :attr:`fn`."""
@@ -148,6 +156,121 @@ class Compressor(NamedTuple):
     def is_identity(self) -> bool:
         """``True`` only for compressors built by :func:`identity`."""
         return bool(getattr(self.fn, _IDENTITY_MARKER, False))
+
+
+@dataclass(frozen=True)
+class CompressorSpec:
+    """Structured description of a compressor of this module: its kind and parameters.
+
+    It is what the Flower wire codec (:func:`numpyro_fed.flower.codecs.wire_codec`) reads to
+    choose a serialisation, and what a deployment sends instead of the compressor itself:
+    :attr:`text` is its canonical text form (``"quantize(s=16)"``, ``"top_k(k=2)"``,
+    ``"scaled(quantize(s=16))"``: the :attr:`Compressor.name` of the compressor it describes)
+    and :meth:`parse` reads it back; :meth:`build` rebuilds the compressor. A custom
+    :class:`Compressor` has ``spec=None`` and cannot be deployed.
+
+    :param kind: One of :data:`COMPRESSOR_KINDS` (``"identity"``, ``"quantize"``, ``"top_k"``,
+        ``"rand_k"``, ``"scaled"``).
+    :param params: ``(name, int)`` pairs of the factory's parameters, all of them (defaults
+        included): ``identity``: ``float_bits``; ``quantize``: ``s`` (levels), ``float_bits``;
+        ``top_k`` / ``rand_k``: ``k``, ``float_bits``; ``scaled``: none.
+    :param inner: For ``kind="scaled"``, the spec of the wrapped unbiased compressor.
+    """
+
+    kind: str
+    params: tuple[tuple[str, int], ...] = ()
+    inner: CompressorSpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in COMPRESSOR_KINDS:
+            raise ValueError(
+                f"CompressorSpec: unknown `kind`={self.kind!r}; the kinds are "
+                f"{sorted(COMPRESSOR_KINDS)}."
+            )
+        expected = COMPRESSOR_KINDS[self.kind]
+        given = dict(self.params)
+        if len(given) != len(self.params) or set(given) != set(expected):
+            raise ValueError(
+                f"CompressorSpec: {self.kind} takes the parameters {list(expected)}, each "
+                f"once, got {[name for name, _ in self.params]}."
+            )
+        for name, value in given.items():
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(
+                    f"CompressorSpec: parameter {name!r} of {self.kind} must be an int, got "
+                    f"{value!r}."
+                )
+        # one order (the factory's) so that equal specs compare and hash equal
+        object.__setattr__(self, "params", tuple((k, int(given[k])) for k in expected))
+        if (self.kind == "scaled") != (self.inner is not None):
+            raise ValueError(
+                "CompressorSpec: `inner` is the spec of the compressor that kind='scaled' "
+                f"wraps, and only that kind has one (kind={self.kind!r}, inner={self.inner!r})."
+            )
+
+    def param(self, name: str) -> int:
+        """The value of parameter ``name`` (e.g. ``spec.param("k")``)."""
+        for key, value in self.params:
+            if key == name:
+                return value
+        raise KeyError(f"{self.kind} has no parameter {name!r}; it has {dict(self.params)}.")
+
+    @property
+    def text(self) -> str:
+        """Canonical text: ``kind`` or ``kind(p=v, ...)``, ``float_bits`` omitted when 32."""
+        if self.inner is not None:
+            return f"{self.kind}({self.inner.text})"
+        shown = [f"{k}={v}" for k, v in self.params if not (k == "float_bits" and v == 32)]
+        return f"{self.kind}({', '.join(shown)})" if shown else self.kind
+
+    def build(self) -> Compressor:
+        """The compressor this spec describes."""
+        if self.inner is not None:
+            return scaled(self.inner.build())
+        return _FACTORIES[self.kind](**dict(self.params))
+
+    @classmethod
+    def parse(cls, text: str) -> CompressorSpec:
+        """Read :attr:`text` back: ``"identity"``, ``"quantize(s=16)"``,
+        ``"top_k(k=2, float_bits=16)"``, ``"scaled(rand_k(k=3))"``; the parameters a text
+        leaves out take their defaults.
+
+        :raises ValueError: For an unknown kind, a missing, unknown or non-integer parameter.
+        """
+        if not isinstance(text, str):
+            raise ValueError(f"CompressorSpec.parse needs a string, got {text!r}.")
+        body = text.strip()
+        kind, paren, rest = body.partition("(")
+        kind = kind.strip().lower()
+        if paren and not rest.endswith(")"):
+            raise ValueError(f"{text!r}: unbalanced parentheses.")
+        rest = rest[:-1].strip() if paren else ""
+        if kind not in COMPRESSOR_KINDS:
+            raise ValueError(
+                f"{text!r}: unknown compressor kind {kind!r}; the kinds are "
+                f"{sorted(COMPRESSOR_KINDS)}."
+            )
+        if kind == "scaled":
+            if not rest:
+                raise ValueError(f"{text!r}: scaled(...) needs the compressor it wraps.")
+            return cls("scaled", (), cls.parse(rest))
+        defaults = COMPRESSOR_KINDS[kind]
+        given: dict[str, int] = {}
+        for item in filter(None, (part.strip() for part in rest.split(","))):
+            name, eq, value = (t.strip() for t in item.partition("="))
+            if not eq or name not in defaults or name in given:
+                raise ValueError(
+                    f"{text!r}: {kind} takes the parameters {list(defaults)} as 'name=integer' "
+                    f"(each once), got {item!r}."
+                )
+            try:
+                given[name] = int(value)
+            except ValueError:
+                raise ValueError(f"{text!r}: {item!r} is not 'name=integer'.") from None
+        missing = [k for k, v in defaults.items() if v is None and k not in given]
+        if missing:
+            raise ValueError(f"{text!r}: {kind} needs {missing}, e.g. {kind}({missing[0]}=4).")
+        return cls(kind, tuple((k, given.get(k, v)) for k, v in defaults.items()))
 
 
 # --------------------------------------------------------------------------------------
@@ -218,10 +341,6 @@ def _check_k_le_d(k: int, d: int, compressor: str) -> None:
         )
 
 
-def _suffix(float_bits: int) -> str:
-    return "" if float_bits == 32 else f", float_bits={float_bits}"
-
-
 def _gamma_bound(n: int) -> int:
     """Length of the Elias-gamma codeword of ``n >= 1`` (a Python int)."""
     return 2 * (n.bit_length() - 1) + 1
@@ -249,9 +368,9 @@ def identity(float_bits: int = 32) -> Compressor:
         return v, bit_count(float_bits * v.shape[0])
 
     setattr(fn, _IDENTITY_MARKER, True)
-    name = "identity" if float_bits == 32 else f"identity(float_bits={float_bits})"
+    spec = CompressorSpec("identity", (("float_bits", float_bits),))
     return Compressor(
-        name=name,
+        name=spec.text,
         fn=fn,
         nominal_bits=lambda d: float_bits * d,
         omega=lambda d: 0.0,
@@ -260,6 +379,7 @@ def identity(float_bits: int = 32) -> Compressor:
         randomised=False,
         static_bits=lambda d: float_bits * d,
         max_bits=lambda d: float_bits * d,
+        spec=spec,
     )
 
 
@@ -370,14 +490,16 @@ def quantize(
         body = sum_small(jnp.where(nz, per_coord, 0), coord_bound(d))
         return v_hat, bits_add(body, head)
 
+    spec = CompressorSpec("quantize", (("s", s), ("float_bits", float_bits)))
     return Compressor(
-        name=f"quantize(s={s}{_suffix(float_bits)})",
+        name=spec.text,
         fn=jax.jit(fn),
         nominal_bits=lambda d: float_bits + d * (1 + level_bits),
         omega=lambda d: min(d / s**2, math.sqrt(d) / s),
         alpha=None,
         unbiased=True,
         max_bits=max_bits,
+        spec=spec,
     )
 
 
@@ -398,7 +520,7 @@ def top_k(k: int, float_bits: int = 32) -> Compressor:
     """
     k = _check_int("k", k, minimum=1, hint=" Use e.g. top_k(k=3).")
     float_bits = _check_int("float_bits", float_bits, minimum=1)
-    name = f"top_k(k={k}{_suffix(float_bits)})"
+    spec = CompressorSpec("top_k", (("k", k), ("float_bits", float_bits)))
 
     def fn(key: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
         del key
@@ -410,7 +532,7 @@ def top_k(k: int, float_bits: int = 32) -> Compressor:
         return v_hat, bit_count(k * (float_bits + ceil_log2(d)))
 
     return Compressor(
-        name=name,
+        name=spec.text,
         fn=jax.jit(fn),
         nominal_bits=lambda d: k * (float_bits + ceil_log2(d)),
         omega=None,
@@ -419,6 +541,7 @@ def top_k(k: int, float_bits: int = 32) -> Compressor:
         randomised=False,
         static_bits=lambda d: k * (float_bits + ceil_log2(d)),
         max_bits=lambda d: k * (float_bits + ceil_log2(d)),
+        spec=spec,
     )
 
 
@@ -439,7 +562,7 @@ def rand_k(k: int, float_bits: int = 32) -> Compressor:
     """
     k = _check_int("k", k, minimum=1, hint=" Use e.g. rand_k(k=3).")
     float_bits = _check_int("float_bits", float_bits, minimum=1)
-    name = f"rand_k(k={k}{_suffix(float_bits)})"
+    spec = CompressorSpec("rand_k", (("k", k), ("float_bits", float_bits)))
 
     def fn(key: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
         v = _check_vector(v, "rand_k")
@@ -450,7 +573,7 @@ def rand_k(k: int, float_bits: int = 32) -> Compressor:
         return v_hat, bit_count(k * (float_bits + ceil_log2(d)))
 
     return Compressor(
-        name=name,
+        name=spec.text,
         fn=jax.jit(fn),
         nominal_bits=lambda d: k * (float_bits + ceil_log2(d)),
         omega=lambda d: d / k - 1,
@@ -458,6 +581,7 @@ def rand_k(k: int, float_bits: int = 32) -> Compressor:
         unbiased=True,
         static_bits=lambda d: k * (float_bits + ceil_log2(d)),
         max_bits=lambda d: k * (float_bits + ceil_log2(d)),
+        spec=spec,
     )
 
 
@@ -482,6 +606,7 @@ def scaled(compressor: Compressor) -> Compressor:
             "such as quantize(...) or rand_k(...)."
         )
     inner_fn, inner_omega = compressor.fn, compressor.omega
+    inner_spec = compressor.spec
 
     def fn(key: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
         v = _check_vector(v, "scaled")
@@ -499,12 +624,34 @@ def scaled(compressor: Compressor) -> Compressor:
         randomised=compressor.randomised,
         static_bits=compressor.static_bits,
         max_bits=compressor.max_bits,
+        spec=None if inner_spec is None else CompressorSpec("scaled", (), inner_spec),
     )
 
 
+#: The kinds of :class:`CompressorSpec` and their parameters, with their defaults
+#: (``None``: required). Adding a compressor kind: its factory sets ``spec``, and it gets an
+#: entry here, in ``_FACTORIES`` and, to be deployable, a codec in
+#: :mod:`numpyro_fed.flower.codecs`.
+COMPRESSOR_KINDS: dict[str, dict[str, int | None]] = {
+    "identity": {"float_bits": 32},
+    "quantize": {"s": None, "float_bits": 32},
+    "top_k": {"k": None, "float_bits": 32},
+    "rand_k": {"k": None, "float_bits": 32},
+    "scaled": {},
+}
+
+_FACTORIES: dict[str, Callable[..., Compressor]] = {
+    "identity": identity,
+    "quantize": lambda s, float_bits: quantize(levels=s, float_bits=float_bits),
+    "top_k": top_k,
+    "rand_k": rand_k,
+}
+
 _SPEC_FORMS = (
-    "a Compressor, None (identity), 'identity', 'quantize:<levels>', 'qsgd:<levels>', "
-    "'bits:<b>' (s = 2**b levels), 'top_k:<k>', 'rand_k:<k>'"
+    "a Compressor, a CompressorSpec, None (identity), 'identity', 'quantize:<levels>', "
+    "'qsgd:<levels>', 'bits:<b>' (s = 2**b levels), 'top_k:<k>', 'rand_k:<k>', or a "
+    "compressor's name such as 'quantize(s=16)', 'top_k(k=2, float_bits=16)' or "
+    "'scaled(rand_k(k=3))' (CompressorSpec.text)"
 )
 
 _PARAMETRIC: dict[str, Callable[[int], Compressor]] = {
@@ -516,13 +663,16 @@ _PARAMETRIC: dict[str, Callable[[int], Compressor]] = {
 }
 
 
-def get_compressor(spec: Compressor | str | None) -> Compressor:
+def get_compressor(spec: Compressor | CompressorSpec | str | None) -> Compressor:
     """Build a :class:`Compressor` from a short specification.
 
-    :param spec: A :class:`Compressor` (returned unchanged), ``None`` (identity) or a
-        string: ``"identity"``, ``"quantize:16"`` / ``"qsgd:16"`` (16 levels),
-        ``"bits:4"`` (:math:`s = 2^4` levels), ``"top_k:3"`` or ``"rand_k:3"``.
-        Matching is case-insensitive and ignores surrounding whitespace.
+    :param spec: A :class:`Compressor` (returned unchanged), a :class:`CompressorSpec`
+        (built), ``None`` (identity) or a string: ``"identity"``, ``"quantize:16"`` /
+        ``"qsgd:16"`` (16 levels), ``"bits:4"`` (:math:`s = 2^4` levels), ``"top_k:3"``,
+        ``"rand_k:3"``, or the :attr:`CompressorSpec.text` of a compressor of this module
+        (its name: ``"quantize(s=16)"``, ``"scaled(top_k(k=2))"``, read by
+        :meth:`CompressorSpec.parse`). Matching is case-insensitive and ignores surrounding
+        whitespace.
     :returns: The corresponding :class:`Compressor`.
     :raises ValueError: For an unknown or malformed specification.
     """
@@ -530,6 +680,8 @@ def get_compressor(spec: Compressor | str | None) -> Compressor:
         return identity()
     if isinstance(spec, Compressor):
         return spec
+    if isinstance(spec, CompressorSpec):
+        return spec.build()
     if not isinstance(spec, str):
         raise ValueError(f"get_compressor: unsupported spec {spec!r}; valid forms: {_SPEC_FORMS}.")
     text = spec.strip().lower()
@@ -545,4 +697,6 @@ def get_compressor(spec: Compressor | str | None) -> Compressor:
                 f"'{head.strip()}:4'; valid forms: {_SPEC_FORMS}."
             ) from None
         return _PARAMETRIC[head.strip()](n)
+    if not sep and text.partition("(")[0].strip() in COMPRESSOR_KINDS:
+        return CompressorSpec.parse(text).build()
     raise ValueError(f"get_compressor: unknown spec {spec!r}; valid forms: {_SPEC_FORMS}.")

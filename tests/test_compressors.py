@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from numpyro_fed.compressors import (
+    COMPRESSOR_KINDS,
     Compressor,
+    CompressorSpec,
     ceil_log2,
     elias_gamma_length,
     get_compressor,
@@ -388,3 +390,64 @@ def test_randomised_flag_matches_key_use(comp, randomised):
     b = comp(jax.random.PRNGKey(2), v)[0]
     assert comp.randomised is randomised
     assert bool(np.array_equal(np.asarray(a), np.asarray(b))) is not randomised
+
+
+# ------------------------------------------------------------------ structured spec
+@pytest.mark.parametrize("comp", ALL + [quantize(4, float_bits=16), top_k(2, float_bits=8),
+                                        identity(float_bits=16)], ids=lambda c: c.name)
+def test_spec_describes_the_compressor(comp):
+    """Every factory's compressor carries its kind and parameters; the spec's text is the
+    name, reads back to the same spec, and rebuilds a compressor with the same output."""
+    spec = comp.spec
+    assert isinstance(spec, CompressorSpec) and spec.kind in COMPRESSOR_KINDS
+    assert spec.text == comp.name
+    assert CompressorSpec.parse(comp.name) == spec and hash(CompressorSpec.parse(comp.name))
+    rebuilt = spec.build()
+    assert rebuilt.spec == spec and rebuilt.name == comp.name
+    assert get_compressor(comp.name).spec == spec and get_compressor(spec).spec == spec
+    v = jax.random.normal(jax.random.key(1), (12,))
+    a, bits_a = comp(jax.random.key(2), v)
+    b, bits_b = rebuilt(jax.random.key(2), v)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(bits_a) == int(bits_b)
+
+
+def test_spec_parameters_and_scaled_wraps_the_inner_spec():
+    assert quantize(bits=4).spec == CompressorSpec("quantize", (("s", 16), ("float_bits", 32)))
+    assert quantize(16).spec.param("s") == 16 and top_k(3).spec.param("k") == 3
+    assert identity().spec == CompressorSpec("identity", (("float_bits", 32),))
+    inner = rand_k(4)
+    sc = scaled(inner)
+    assert sc.spec == CompressorSpec("scaled", (), inner.spec) and sc.spec.inner == inner.spec
+    assert sc.spec.text == "scaled(rand_k(k=4))"
+    # parameters in any order describe the same compressor
+    assert CompressorSpec("top_k", (("float_bits", 32), ("k", 3))) == top_k(3).spec
+    # a custom compressor has no spec, and nor has scaled() of one
+    custom = Compressor(name="mine", fn=lambda k, v: (v, jnp.int32(0)), nominal_bits=lambda d: 0,
+                        omega=lambda d: 0.0, alpha=None, unbiased=True)
+    assert custom.spec is None and scaled(custom).spec is None
+
+
+@pytest.mark.parametrize("text, match", [
+    ("zip(k=3)", "unknown compressor kind 'zip'"),
+    ("quantize()", r"quantize needs \['s'\]"),
+    ("top_k(j=3)", r"top_k takes the parameters \['k', 'float_bits'\]"),
+    ("top_k(k=3, k=4)", "each once"),
+    ("rand_k(k=x)", "'k=x' is not 'name=integer'"),
+    ("quantize(s=4", "unbalanced"),
+    ("scaled()", r"scaled\(...\) needs the compressor it wraps"),
+])
+def test_spec_parse_errors_name_the_problem(text, match):
+    with pytest.raises(ValueError, match=match):
+        CompressorSpec.parse(text)
+
+
+def test_spec_constructor_validates():
+    with pytest.raises(ValueError, match="unknown `kind`='gzip'"):
+        CompressorSpec("gzip")
+    with pytest.raises(ValueError, match=r"quantize takes the parameters \['s', 'float_bits'\]"):
+        CompressorSpec("quantize", (("s", 4),))
+    with pytest.raises(ValueError, match="parameter 'k' of top_k must be an int"):
+        CompressorSpec("top_k", (("k", True), ("float_bits", 32)))
+    with pytest.raises(ValueError, match="`inner`"):
+        CompressorSpec("scaled")

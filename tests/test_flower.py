@@ -364,3 +364,80 @@ def test_client_with_wrong_data_shape_is_named(problem):
     with pytest.raises(ValueError, match="`batch_size`=1000 exceeds the size of client"):
         run_loopback(_spec(model="models:logistic_regression", num_clients=B, num_samples=2,
                            batch_size=1000), clients)
+
+
+# --------------------------------------------------------------------------- wire codecs
+@pytest.mark.parametrize("comp", [
+    compressors.identity(), compressors.quantize(16), compressors.quantize(bits=1),
+    compressors.top_k(3), compressors.rand_k(3), compressors.scaled(compressors.quantize(4)),
+    compressors.scaled(compressors.rand_k(2)),
+], ids=lambda c: c.name)
+def test_codec_is_chosen_by_the_spec_and_reproduces_the_compressor(comp):
+    """The codec read from the compressor's spec serialises exactly the declared bits and
+    decodes to the in-process compressor's output, bit for bit."""
+    from numpyro_fed.flower.codecs import codec_for, wire_codec
+
+    d = 10
+    codec = wire_codec(comp, d)
+    assert codec.name == comp.name and codec_for(comp.name, d).name == comp.name
+    v = random.normal(random.key(4), (d,))
+    key = random.key(5)
+    payload, n, dec = codec.compress(key, v)
+    v_hat, bits = comp(key, v)
+    assert n == int(bits) and payload.size == -(-n // 8)
+    np.testing.assert_array_equal(dec, np.asarray(v_hat, np.float32))
+    dec2, n2 = codec.decode(payload)
+    np.testing.assert_array_equal(dec2, dec)
+    assert n2 == n
+
+
+def _bottom_k(k):
+    """A custom compressor that keeps the k *smallest* coordinates but is called
+    "top_k(k=...)": no spec, so nothing may deploy it as the library's top_k."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    def fn(key, v):
+        _, idx = lax.top_k(-jnp.abs(v), k)
+        return jnp.zeros_like(v).at[idx].set(v[idx]), jnp.int32(k * 34)
+
+    return compressors.Compressor(
+        name=f"top_k(k={k})", fn=fn, nominal_bits=lambda d: k * 34, omega=None,
+        alpha=lambda d: k / d, unbiased=False, randomised=False)
+
+
+def test_custom_compressor_is_not_deployed_under_a_library_name(problem):
+    """Regression: the codec and the FlowerSpec used to read the compressor's *name*, so a
+    custom compressor named like a library one was silently replaced by the library's in
+    the deployment (different draws than in process). Now only the structured spec counts,
+    and a compressor without one is refused with the list of deployable compressors."""
+    from numpyro_fed.flower.codecs import wire_codec
+
+    part, _ = problem
+    custom = _bottom_k(2)
+    assert custom.spec is None
+    with pytest.raises(ValueError, match=r"'top_k\(k=2\)'.*no `spec`.*Deployable compressors: "
+                                         r"identity\(\), quantize"):
+        wire_codec(custom, 4)
+    kernel = DELF(logistic_regression, part, step_size=2e-3, uplink=custom)
+    with pytest.raises(ValueError, match=r"`compressor`='top_k\(k=2\)' is not a deployable"):
+        FlowerSpec.from_kernel(kernel, "models:logistic_regression", num_samples=2, seed=3)
+    with pytest.raises(ValueError, match=r"`downlink`.*no `spec`"):
+        _spec(algorithm="pelf", downlink=custom)
+    # a library compressor that has no wire format: float_bits other than 32
+    with pytest.raises(ValueError, match=r"`float_bits` must be 32, got 16"):
+        wire_codec(compressors.top_k(2, float_bits=16), 4)
+
+
+def test_spec_reads_compressors_and_variants_in_every_accepted_form():
+    """FlowerSpec stores the canonical spec text of a compressor given as an object, a spec
+    or a string, and the canonical QLSD variant of any spelling the kernels accept."""
+    q = compressors.quantize(bits=4)
+    for given in (q, q.spec, "quantize(s=16)", "quantize:16", "bits:4", " Quantize(s=16) "):
+        assert _spec(compressor=given).compressor == "quantize(s=16)"
+    assert _spec(algorithm="delf", compressor=compressors.scaled(compressors.rand_k(2))
+                 ).compressor == "scaled(rand_k(k=2))"
+    for spelling, canon in (("sharp", "#"), ("QLSD*", "*"), ("plusplus", "++"), ("++", "++")):
+        assert _spec(variant=spelling).variant == canon
+    with pytest.raises(ValueError, match=r"`variant`='x'.*'#', 'sharp'"):
+        _spec(variant="x")

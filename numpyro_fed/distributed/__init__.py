@@ -3,14 +3,14 @@
 * :mod:`numpyro_fed.distributed.sharding` -- the client axis of a partition and of a
   federated kernel's state sharded over devices (:func:`shard_partition`,
   :func:`shard_kernel`).
-* :mod:`numpyro_fed.distributed.participation` -- partial participation (who takes part in a
-  round, the server's reweighting), shared by the in-process kernels and the Flower
-  deployment.
+* partial participation (who takes part in a round, the server's reweighting), shared by the
+  in-process kernels and the Flower deployment, lives below the kernels in
+  :mod:`numpyro_fed.algorithms.participation`; its names are re-exported here.
 * :mod:`numpyro_fed.distributed.client` -- the per-client computations of the kernels as pure
   functions of one client's data (used by :mod:`numpyro_fed.flower`).
 """
 
-from numpyro_fed.distributed.participation import (
+from numpyro_fed.algorithms.participation import (
     PARTICIPATION_SALT,
     check_participation,
     participation_mask,

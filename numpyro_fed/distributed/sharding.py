@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from numpyro_fed.kernels.langevin import FederatedKernel
 from numpyro_fed.partition import ClientPartition
 
 __all__ = ["client_mesh", "client_sharding", "shard_partition", "shard_kernel", "CLIENT_AXIS"]
@@ -179,8 +180,6 @@ def shard_kernel(kernel: Any, mesh: Mesh | Sequence[Any] | None = None) -> Any:
         at ``init`` under ``MCMC(chain_method="parallel")`` (or ``jax.pmap``): the devices
         hold clients, so chains run ``"vectorized"`` or ``"sequential"``.
     """
-    from numpyro_fed.kernels.langevin import FederatedKernel
-
     if not isinstance(kernel, FederatedKernel):
         raise TypeError(
             f"shard_kernel needs a numpyro_fed federated kernel, got {type(kernel).__name__}."

@@ -21,6 +21,7 @@ from numpyro_fed.flower.codecs import (
     codec_for,
     compressor_from_name,
     dense_codec,
+    deployable_spec,
     wire_codec,
 )
 from numpyro_fed.flower.protocol import ClientWorker, FlowerSpec, ServerCoordinator
@@ -50,6 +51,7 @@ __all__ = [
     "compressor_from_name",
     "content_bytes",
     "dense_codec",
+    "deployable_spec",
     "flower_executables",
     "load_npz_data",
     "make_client_app",

@@ -34,6 +34,7 @@ from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid, ServerApp
 
 from numpyro_fed.flower.protocol import ClientWorker, FlowerSpec, Reply, ServerCoordinator
+from numpyro_fed.flower.results import to_inference_data
 from numpyro_fed.kernels.base import DivergenceError
 
 __all__ = [
@@ -257,8 +258,6 @@ def serve_and_write(grid: Grid, spec: FlowerSpec, path: str | os.PathLike | None
     when given. A :class:`~numpyro_fed.DivergenceError` is also written, to
     :func:`error_path` of ``path``, before it propagates, so that the process that launched
     the run raises it in turn (:func:`~numpyro_fed.flower.runner.run_processes`)."""
-    from numpyro_fed.flower.runner import to_inference_data
-
     try:
         coord = serve(grid, spec, **kwargs)
     except DivergenceError as err:

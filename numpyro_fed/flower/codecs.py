@@ -3,7 +3,11 @@
 Each :class:`~numpyro_fed.compressors.Compressor` declares the coded length of a message
 (``bits`` returned by ``fn``). :func:`wire_codec` gives, for the compressors of
 :mod:`numpyro_fed.compressors`, a bit-exact serialisation whose payload is *that* many bits
-(padded to whole bytes), so the bits on the wire can be checked against the declared bits:
+(padded to whole bytes), so the bits on the wire can be checked against the declared bits.
+The codec is chosen by the compressor's structured
+:attr:`~numpyro_fed.compressors.Compressor.spec` (kind and parameters), never by its display
+name; a custom compressor (``spec=None``) has no wire format and is refused with the list of
+deployable ones:
 
 * ``identity``: ``d`` IEEE float32 values (``32 d`` bits);
 * ``quantize(s)`` (QLSD eq. (4), QSGD's sparse Elias code): the float32 norm, the
@@ -22,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from numpyro_fed.compressors import Compressor, ceil_log2, get_compressor
+from numpyro_fed.compressors import Compressor, CompressorSpec, ceil_log2, get_compressor
 
 __all__ = [
     "WireCodec",
@@ -39,6 +42,7 @@ __all__ = [
     "codec_for",
     "compressor_from_name",
     "dense_codec",
+    "deployable_spec",
     "wire_codec",
 ]
 
@@ -282,75 +286,106 @@ def _scaled(inner: WireCodec, factor: float, comp: Compressor) -> WireCodec:
     )
 
 
-def wire_codec(compressor: Compressor | str | None, d: int) -> WireCodec:
-    """The wire format of ``compressor`` for messages of dimension ``d``.
+def _top_k_indices(k: int):
+    return lambda key, v: lax.top_k(jnp.abs(v), k)[1]
 
-    :param compressor: a compressor of :mod:`numpyro_fed.compressors` (or a spec string).
+
+def _rand_k_indices(k: int):
+    return lambda key, v: lax.top_k(jax.random.bits(key, (v.shape[0],), dtype=jnp.uint32), k)[1]
+
+
+#: The compressor kinds (:class:`~numpyro_fed.compressors.CompressorSpec` ``kind``) that have a
+#: wire format, each with its codec ``(spec, compressor, d) -> WireCodec``. A new compressor
+#: kind becomes deployable by adding its codec here.
+_CODECS: dict[str, Callable[[CompressorSpec, Compressor, int], WireCodec]] = {
+    "identity": lambda spec, comp, d: dense_codec(d),
+    "quantize": lambda spec, comp, d: _quantize_codec(comp.name, d, spec.param("s"), comp),
+    "top_k": lambda spec, comp, d: _sparse_codec(
+        comp.name, d, spec.param("k"), comp, _top_k_indices(spec.param("k"))),
+    "rand_k": lambda spec, comp, d: _sparse_codec(
+        comp.name, d, spec.param("k"), comp, _rand_k_indices(spec.param("k"))),
+}
+
+_DEPLOYABLE = ("identity(), quantize(...), top_k(...), rand_k(...) and scaled(...) of "
+               "quantize/rand_k, with 32-bit floats (float_bits=32)")
+
+
+def _check_deployable(spec: CompressorSpec | None, name: str) -> CompressorSpec:
+    if spec is None:
+        raise ValueError(
+            f"No wire format for compressor {name!r}: it carries no `spec` (a custom "
+            f"Compressor, or one built from one), so the Flower deployment cannot serialise "
+            f"its messages. Deployable compressors: {_DEPLOYABLE}."
+        )
+    if spec.inner is not None:
+        _check_deployable(spec.inner, name)
+    elif spec.kind not in _CODECS:
+        raise ValueError(
+            f"No wire format for compressor {name!r} (kind {spec.kind!r}). Deployable "
+            f"compressors: {_DEPLOYABLE}."
+        )
+    elif spec.param("float_bits") != 32:
+        raise ValueError(
+            f"No wire format for compressor {name!r}: the wire carries float32 values, so "
+            f"`float_bits` must be 32, got {spec.param('float_bits')}. Deployable "
+            f"compressors: {_DEPLOYABLE}."
+        )
+    return spec
+
+
+def wire_codec(compressor: Compressor | CompressorSpec | str | None, d: int) -> WireCodec:
+    """The wire format of ``compressor`` for messages of dimension ``d``, chosen by its
+    :attr:`~numpyro_fed.compressors.Compressor.spec` (kind and parameters).
+
+    :param compressor: a compressor of :mod:`numpyro_fed.compressors`, its spec, or a string
+        that :func:`~numpyro_fed.compressors.get_compressor` reads (``"quantize(s=16)"``).
     :param d: message dimension.
-    :raises ValueError: for a compressor without a wire format (a custom ``Compressor`` or a
-        ``float_bits`` other than 32).
+    :raises ValueError: for a compressor without a wire format (a custom ``Compressor``,
+        whose ``spec`` is ``None``, or a ``float_bits`` other than 32), naming the
+        deployable compressors.
     """
     comp = get_compressor(compressor)
-    name = comp.name
-    if comp.is_identity and name == "identity":
-        return dense_codec(d)
-    m = re.fullmatch(r"scaled\((.*)\)", name)
-    if m:
-        inner_spec = _spec(m.group(1))
-        inner = wire_codec(inner_spec, d)
-        omega = get_compressor(inner_spec).omega(d)
-        return _scaled(inner, 1.0 / (omega + 1.0), comp)
-    m = re.fullmatch(r"quantize\(s=(\d+)\)", name)
-    if m:
-        return _quantize_codec(name, d, int(m.group(1)), comp)
-    m = re.fullmatch(r"top_k\(k=(\d+)\)", name)
-    if m:
-        k = int(m.group(1))
-        return _sparse_codec(name, d, k, comp, lambda key, v: lax.top_k(jnp.abs(v), k)[1])
-    m = re.fullmatch(r"rand_k\(k=(\d+)\)", name)
-    if m:
-        k = int(m.group(1))
-        return _sparse_codec(
-            name, d, k, comp,
-            lambda key, v: lax.top_k(jax.random.bits(key, (v.shape[0],), dtype=jnp.uint32), k)[1],
-        )
-    raise ValueError(
-        f"No wire format for compressor {name!r}: the Flower deployment supports identity(), "
-        "quantize(...), top_k(...), rand_k(...) and scaled(...) of these, with 32-bit floats."
-    )
+    spec = _check_deployable(comp.spec, comp.name)
+    if spec.inner is not None:  # scaled(C): C's message, the factor known to both sides
+        inner_comp = spec.inner.build()
+        inner = _CODECS[spec.inner.kind](spec.inner, inner_comp, d)
+        return _scaled(inner, 1.0 / (inner_comp.omega(d) + 1.0), comp)
+    return _CODECS[spec.kind](spec, comp, d)
 
 
-def _spec(name: str) -> str:
-    """Spec string of a compressor name (``"quantize(s=16)"`` -> ``"quantize:16"``)."""
-    m = re.fullmatch(r"(quantize|top_k|rand_k)\((?:s|k)=(\d+)\)", name)
-    if m:
-        return f"{m.group(1)}:{m.group(2)}"
-    if name == "identity":
-        return name
-    raise ValueError(f"No wire format for compressor {name!r}.")
+def deployable_spec(compressor: Compressor | CompressorSpec | str | None, arg: str) -> str:
+    """The canonical text (:attr:`~numpyro_fed.compressors.CompressorSpec.text`) of a
+    compressor that the deployment can serialise, as a :class:`FlowerSpec
+    <numpyro_fed.flower.protocol.FlowerSpec>` carries it.
 
-
-def compressor_from_name(name: Compressor | str | None) -> Compressor:
-    """A compressor from its :attr:`~numpyro_fed.compressors.Compressor.name` (as sent in a
-    :class:`~numpyro_fed.flower.protocol.FlowerSpec`) or from a spec string
-    (``"quantize:16"``); ``scaled(...)`` names are rebuilt with
-    :func:`~numpyro_fed.compressors.scaled`."""
-    from numpyro_fed.compressors import scaled
-
-    if name is None or isinstance(name, Compressor):
-        return get_compressor(name)
-    m = re.fullmatch(r"scaled\((.*)\)", name.strip())
-    if m:
-        return scaled(compressor_from_name(m.group(1)))
+    :param compressor: a compressor, its spec, or a string
+        :func:`~numpyro_fed.compressors.get_compressor` reads.
+    :param arg: the argument's name, for the error message.
+    :raises ValueError: naming ``arg``, for an invalid compressor or one without a wire format.
+    """
     try:
-        return get_compressor(_spec(name.strip()))
-    except ValueError:
-        return get_compressor(name)
+        comp = get_compressor(compressor)
+        return _check_deployable(comp.spec, comp.name).text
+    except (TypeError, ValueError, KeyError) as err:
+        raise ValueError(
+            f"`{arg}`={getattr(compressor, 'name', compressor)!r} is not a deployable "
+            f"compressor ({err}); use e.g. 'identity', 'quantize(s=16)', 'top_k(k=2)' or "
+            "'scaled(quantize(s=16))'."
+        ) from err
+
+
+def compressor_from_name(name: Compressor | CompressorSpec | str | None) -> Compressor:
+    """A compressor from its :attr:`~numpyro_fed.compressors.Compressor.name` (its
+    :attr:`~numpyro_fed.compressors.CompressorSpec.text`, as a
+    :class:`~numpyro_fed.flower.protocol.FlowerSpec` carries it) or from any other form
+    :func:`~numpyro_fed.compressors.get_compressor` reads (``"quantize:16"``)."""
+    return get_compressor(name)
 
 
 @functools.lru_cache(maxsize=32)
 def codec_for(name: str, d: int) -> WireCodec:
-    """:func:`wire_codec` of the compressor called ``name`` (:func:`compressor_from_name`),
-    cached: codecs are stateless, and the clients of one process (a loopback run, a
-    simulation) then share their compiled helpers instead of compiling them once each."""
+    """:func:`wire_codec` of the compressor whose spec text is ``name``
+    (:func:`compressor_from_name`), cached: codecs are stateless, and the clients of one
+    process (a loopback run, a simulation) then share their compiled helpers instead of
+    compiling them once each."""
     return wire_codec(compressor_from_name(name), d)

@@ -21,7 +21,7 @@ instruction acknowledges that round (``ack``). A message that was lost, late or 
 never acknowledged, so client and server state never diverge
 (:math:`\\eta = \\sum_i \\eta_i`, :math:`g = \\sum_i g_i`; P-ELF's server keeps the last dense
 :math:`g_i` of every client). Reweighting of the received messages:
-:mod:`numpyro_fed.distributed.participation`.
+:mod:`numpyro_fed.algorithms.participation`.
 
 **P-/B-ELF: the compressed model broadcast and its catch-up** (ELF Alg. 2-3, EF21-P). The
 server owns the shadow model :math:`w_k = w_{k-1} + \\mathcal{Q}^P(x_{k+1} - w_{k-1})` and
@@ -69,20 +69,31 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
-from numpyro_fed.distributed.client import ClientProblem, client_key
-from numpyro_fed.distributed.participation import (
+from numpyro_fed.algorithms.participation import (
     check_participation,
     participation_mask,
     warn_if_many_empty_rounds,
 )
+from numpyro_fed.algorithms.variants import (
+    VARIANTS,
+    canonical_variant,
+    deployment_algorithms,
+    variant_info,
+    variant_of_algorithm,
+)
+from numpyro_fed.compressors import Compressor, CompressorSpec, get_compressor
+from numpyro_fed.distributed.client import ClientProblem, client_key
 from numpyro_fed.flower.codecs import (
     WireCodec,
     WireFormatError,
     codec_for,
-    compressor_from_name,
     dense_codec,
+    deployable_spec,
 )
 from numpyro_fed.kernels.base import DivergenceError, check_step_size, langevin_move
+from numpyro_fed.kernels.elf import ELF
+from numpyro_fed.kernels.langevin import _DIVERGED
+from numpyro_fed.kernels.qlsd import QLSD, ThetaStarSearch, check_theta_star
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential
 
@@ -98,26 +109,22 @@ __all__ = [
 
 log = logging.getLogger("numpyro_fed.flower")
 
-_ALGORITHMS = ("qlsd", "delf", "pelf", "belf")
-_SHADOW = ("pelf", "belf")  # algorithms with the EF21-P shadow model w
+# the algorithm names and their variants: the package's one table (algorithms.variants)
+_ALGORITHMS = deployment_algorithms()
+# algorithms with the EF21-P shadow model w (a compressed downlink)
+_SHADOW = tuple(v.algorithm for v in VARIANTS if v.compress_down)
 _SEARCH_METHODS = ("bb", "adam")
-
-
-_NAMES = {"qlsd": "QLSD", "delf": "D-ELF", "pelf": "P-ELF", "belf": "B-ELF"}
 
 
 def kernel_display_name(spec: FlowerSpec) -> str:
     """The name of the deployed kernel in messages, as the in-process kernel writes it."""
-    base = _NAMES[spec.algorithm]
-    return f"{base}{spec.variant}" if spec.algorithm == "qlsd" else base
+    return variant_of_algorithm(spec.algorithm, spec.variant).display
 
 
 def divergence_message(spec: FlowerSpec, iteration: int, detail: str = "") -> str:
     """The message of the :class:`~numpyro_fed.kernels.base.DivergenceError` of a deployment:
     the in-process kernel's message (same kernel name, iteration and ``step_size``), with
     ``detail`` (e.g. which client found it) appended."""
-    from numpyro_fed.kernels.langevin import _DIVERGED
-
     msg = _DIVERGED.format(kernel=kernel_display_name(spec), step_size=spec.step_size)
     msg = msg.format(iteration=iteration, chain="")
     return f"{msg} {detail}".rstrip()
@@ -175,13 +182,18 @@ class FlowerSpec:
     :param num_clients: ``b``.
     :param step_size: :math:`\\gamma`.
     :param num_samples: number of steps (every draw is kept).
-    :param variant: QLSD variant, ``"#"``, ``"*"`` or ``"++"``.
+    :param variant: QLSD variant, ``"#"``, ``"*"`` or ``"++"`` (or any spelling the kernels
+        accept, :data:`numpyro_fed.algorithms.variants.VARIANTS`; stored canonical).
     :param batch_size: per-client minibatch ``n`` (0: exact local gradients).
-    :param compressor: the uplink compressor name (``"quantize(s=16)"``, ``"top_k(k=2)"``,
-        ...): QLSD's :math:`\\mathcal{C}`, D-/B-ELF's :math:`\\mathcal{Q}^D`; ``"identity"``
-        for P-ELF (dense gradients).
+    :param compressor: the uplink compressor: QLSD's :math:`\\mathcal{C}`, D-/B-ELF's
+        :math:`\\mathcal{Q}^D`; ``"identity"`` for P-ELF (dense gradients). Given as a
+        :class:`~numpyro_fed.compressors.Compressor`, its
+        :class:`~numpyro_fed.compressors.CompressorSpec` or a string
+        :func:`~numpyro_fed.compressors.get_compressor` reads; stored as the canonical text
+        of its spec (``"quantize(s=16)"``, ``"top_k(k=2)"``, ``"scaled(rand_k(k=3))"``). A
+        compressor without a spec (a custom one) has no wire format: ``ValueError``.
     :param downlink: P-/B-ELF's contractive model compressor :math:`\\mathcal{Q}^P`
-        (``"identity"`` for the other algorithms).
+        (``"identity"`` for the other algorithms), in the same forms.
     :param w0: P-/B-ELF's initial shadow model: ``"x0"`` (dense :math:`x_0`, Alg. 2-3) or
         ``"compressed"`` (:math:`\\mathcal{Q}^P(x_0)`, ELF eq. (3)).
     :param memory_rate: QLSD's :math:`\\alpha`.
@@ -231,10 +243,8 @@ class FlowerSpec:
                 f"`algorithm` must be one of {_ALGORITHMS} (QLSD#/QLSD*/QLSD++, D-ELF, P-ELF or "
                 f"B-ELF in the Flower deployment), got {self.algorithm!r}."
             )
-        if self.algorithm == "qlsd" and self.variant not in ("#", "*", "++"):
-            raise ValueError(
-                f"QLSD `variant` must be '#', '*' or '++', got {self.variant!r}."
-            )
+        if self.algorithm == "qlsd":  # any spelling the kernels accept, stored canonical
+            self.variant = canonical_variant("qlsd", self.variant)
         self.num_clients = _int_arg(self.num_clients, "num_clients", 1)
         self.num_samples = _int_arg(self.num_samples, "num_samples", 1)
         self.step_size = check_step_size(self.step_size)
@@ -252,17 +262,21 @@ class FlowerSpec:
         self.theta_star_lr = _float_arg(self.theta_star_lr, "theta_star_lr", low=0.0)
         for name in ("compressor", "downlink"):
             value = getattr(self, name)
-            if not isinstance(value, str) or not value.strip():
+            if not isinstance(value, Compressor | CompressorSpec) and (
+                    not isinstance(value, str) or not value.strip()):
                 raise TypeError(f"`{name}` must be a compressor name such as 'identity', "
                                 f"'quantize(s=16)' or 'top_k(k=2)', got {value!r}.")
+            # the compressor's structured spec, as its canonical text; refused (naming the
+            # argument) when it has none: a custom compressor cannot be deployed
+            setattr(self, name, deployable_spec(value, name))
         if self.prior not in ("split", "size", "server"):
             raise ValueError(f"`prior` must be 'split', 'size' or 'server', got {self.prior!r}.")
         if self.init not in ("uniform", "zeros"):
             raise ValueError(f"`init` must be 'uniform' or 'zeros', got {self.init!r}.")
         self.participation = check_participation(self.participation)
         warn_if_many_empty_rounds(self.participation, self.num_clients, stacklevel=4)
-        comp = _compressor_arg(self.compressor, "compressor")
-        down = _compressor_arg(self.downlink, "downlink")
+        comp = get_compressor(self.compressor)
+        down = get_compressor(self.downlink)
         alg = self.algorithm
         if alg == "qlsd" and not comp.unbiased:
             raise ValueError(f"QLSD needs an unbiased compressor, got {self.compressor}.")
@@ -335,9 +349,6 @@ class FlowerSpec:
         :param kernel: the in-process kernel.
         :param model: import reference of the kernel's model.
         """
-        from numpyro_fed.kernels.elf import ELF
-        from numpyro_fed.kernels.qlsd import QLSD
-
         pot = kernel.potential
         if not np.allclose(pot.likelihood_weight, pot.likelihood_weight[0]):
             raise ValueError("The Flower deployment needs one likelihood weight for all clients.")
@@ -362,28 +373,20 @@ class FlowerSpec:
                             theta_star_lr=float(opts.get("learning_rate", 1e-2)))
             common.update(star)
             common.update(kwargs)
-            return cls(algorithm="qlsd", variant=kernel.variant, compressor=kernel.compressor.name,
+            return cls(algorithm="qlsd", variant=kernel.variant, compressor=kernel.compressor,
                        memory_rate=kernel.memory_rate, refresh_every=kernel.refresh_every,
                        **common)
         if isinstance(kernel, ELF):
             common.update(kwargs)
-            if kernel.variant == "D":
-                return cls(algorithm="delf", compressor=kernel.uplink.name, **common)
-            return cls(algorithm=f"{kernel.variant.lower()}elf", compressor=kernel.uplink.name,
-                       downlink=kernel.downlink.name, w0=kernel.w0, **common)
+            info = variant_info("elf", kernel.variant)
+            if not info.compress_down:
+                return cls(algorithm=info.algorithm, compressor=kernel.uplink, **common)
+            return cls(algorithm=info.algorithm, compressor=kernel.uplink,
+                       downlink=kernel.downlink, w0=kernel.w0, **common)
         raise ValueError(
             f"No Flower deployment for {type(kernel).__name__}: supported are QLSD (variants "
             "'#', '*' and '++') and ELF (D, P and B)."
         )
-
-def _compressor_arg(name: str, arg: str):
-    try:
-        return compressor_from_name(name)
-    except (TypeError, ValueError, KeyError) as err:
-        raise ValueError(
-            f"`{arg}`={name!r} is not a valid compressor ({err}); use e.g. 'identity', "
-            "'quantize(s=16)', 'top_k(k=2)' or 'scaled(quantize(s=16))'."
-        ) from err
 
 
 # ============================================================================ client
@@ -584,7 +587,7 @@ class ClientWorker:
         try:
             payload, bits, dec = self._codec.compress(kc, h)
         except (ValueError, OverflowError):
-            v_hat, _ = compressor_from_name(spec.compressor)(kc, h)
+            v_hat, _ = get_compressor(spec.compressor)(kc, h)
             if bool(jnp.all(jnp.isfinite(v_hat))):
                 raise
             return _nonfinite_reply(phase, k), np.zeros(0, np.uint8), state
@@ -966,8 +969,6 @@ class ServerCoordinator:
     def _theta_star(self, key: jax.Array, dense: WireCodec) -> jax.Array:
         """QLSD*: :math:`\\theta^\\star` (given, or the federated search) and the round that
         collects :math:`\\nabla U_i(\\theta^\\star)`; return :math:`g^\\star`."""
-        from numpyro_fed.kernels.qlsd import ThetaStarSearch
-
         spec, pot = self.spec, self.potential
         if spec.theta_star:
             value = json.loads(spec.theta_star)
@@ -978,8 +979,6 @@ class ServerCoordinator:
                         f"{list(pot.latent_names)}; a bare array is accepted only for one site."
                     )
                 value = {pot.latent_names[0]: value[""]}
-            from numpyro_fed.kernels.qlsd import check_theta_star
-
             theta = check_theta_star(pot, {k: np.asarray(v) for k, v in value.items()})
             theta = jnp.asarray(theta, pot.dtype)
             search = ThetaStarSearch("user", 0, 0, 0, float("nan"), True)
@@ -1007,8 +1006,6 @@ class ServerCoordinator:
         """:func:`~numpyro_fed.kernels.qlsd.find_theta_star` (``"bb"`` or ``"adam"``), one
         round per gradient: the same iteration, stopping rule and bit count as in process,
         with :math:`\\sum_i \\nabla U_i` summed over the clients' dense replies."""
-        from numpyro_fed.kernels.qlsd import ThetaStarSearch
-
         spec, pot = self.spec, self.potential
         b, d = spec.num_clients, pot.dim
         total = jax.jit(lambda stack, x: jnp.sum(stack, 0) + pot.server_grad(x))

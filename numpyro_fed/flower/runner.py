@@ -35,6 +35,7 @@ from flwr.serverapp import Grid
 
 from numpyro_fed.flower.apps import error_path, make_client_app, serve
 from numpyro_fed.flower.protocol import FlowerSpec, ServerCoordinator
+from numpyro_fed.flower.results import to_inference_data
 from numpyro_fed.kernels.base import DivergenceError
 
 __all__ = [
@@ -183,46 +184,6 @@ def run_loopback(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]], *,
     app = client_app or make_client_app(load)
     grid = LoopbackGrid(app, [{"partition-id": i} for i in range(len(data))], faults=faults)
     return serve(grid, spec, **kwargs)
-
-
-def to_inference_data(coord: ServerCoordinator):
-    """ArviZ ``InferenceData`` of a finished deployment.
-
-    ``posterior``: constrained draws (one chain). ``sample_stats``: per draw, the bits the
-    compressor declared (``bits_up_declared``, ``bits_down_declared``, as the in-process
-    kernel counts them), the payload bits actually serialised (``bits_up_payload``,
-    ``bits_down_payload``: whole bytes), the full Flower message contents
-    (``bits_up_wire``, ``bits_down_wire``: protobuf bytes, with keys and round metadata),
-    ``num_participants``, and ``participants`` / ``asked`` ``(chain, draw, client)`` masks.
-    Rejected messages are listed in the ``rejected`` attribute.
-    """
-    import arviz as az
-    import jax
-
-    pot = coord.potential
-    draws = np.asarray(coord.draws)
-    constrained = jax.vmap(lambda t: pot.constrain(t, deterministic=False))(draws)
-    posterior = {k: np.asarray(v)[None] for k, v in constrained.items()}
-    lg = coord.log
-    stats = {
-        name: np.asarray(getattr(lg, name), np.int64)[None]
-        for name in ("bits_up_declared", "bits_up_payload", "bits_up_wire",
-                     "bits_down_declared", "bits_down_payload", "bits_down_wire")
-    }
-    parts = np.asarray(lg.participants, bool)
-    stats["num_participants"] = parts.sum(1)[None]
-    stats["participants"] = parts[None]
-    stats["asked"] = np.asarray(lg.asked, bool)[None]
-    idata = az.from_dict(
-        posterior=posterior, sample_stats=stats,
-        dims={"participants": ["client"], "asked": ["client"]},
-        coords={"client": np.arange(coord.spec.num_clients)},
-    )
-    idata.sample_stats.attrs.update({
-        "algorithm": coord.spec.algorithm, "compressor": coord.spec.compressor,
-        "num_clients": coord.spec.num_clients, "rejected": list(lg.rejected),
-    })
-    return idata
 
 
 # ====================================================================== real processes

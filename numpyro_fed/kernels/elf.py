@@ -46,13 +46,14 @@ import jax.numpy as jnp
 from jax import random
 from numpyro.infer.initialization import init_to_uniform
 
-from numpyro_fed.bits import scale_bits
-from numpyro_fed.compressors import Compressor, get_compressor, identity
-from numpyro_fed.distributed.participation import (
+from numpyro_fed.algorithms.participation import (
     check_participation,
     participation_mask,
     warn_if_many_empty_rounds,
 )
+from numpyro_fed.algorithms.variants import VARIANTS, canonical_variant, variant_info
+from numpyro_fed.bits import scale_bits
+from numpyro_fed.compressors import Compressor, get_compressor, identity
 from numpyro_fed.kernels.base import check_compressor_dim, langevin_move
 from numpyro_fed.kernels.langevin import FederatedKernel
 from numpyro_fed.partition import ClientPartition
@@ -69,12 +70,9 @@ __all__ = [
     "lmc_bits_per_step",
 ]
 
-#: Variants of :class:`ELF` and what they compress.
-ELF_VARIANTS = {
-    "D": "dual: EF21 on the uplink (Alg. 1)",
-    "P": "primal: EF21-P on the downlink (Alg. 2)",
-    "B": "bidirectional: EF21-P down + EF21 up (Alg. 3)",
-}
+#: Variants of :class:`ELF` and what they compress (from the package's one variant table,
+#: :data:`numpyro_fed.algorithms.variants.VARIANTS`).
+ELF_VARIANTS = {v.code: v.description for v in VARIANTS if v.family == "elf"}
 _W0_MODES = ("x0", "compressed")
 
 
@@ -187,7 +185,7 @@ class ELF(FederatedKernel):
         :math:`g = \\sum_i g^i` keeps holding (no reweighting: error feedback absorbs the
         missing updates). The model update of P-/B-ELF is a broadcast and reaches every
         client; D-ELF sends :math:`x_{k+1}` to the participants only. The mask of each round is
-        ``state.extra.participants`` (see :mod:`numpyro_fed.distributed.participation`).
+        ``state.extra.participants`` (see :mod:`numpyro_fed.algorithms.participation`).
 
     **Example**
 
@@ -228,13 +226,10 @@ class ELF(FederatedKernel):
     ) -> None:
         self.participation = check_participation(participation)
         variant = type(self).variant if variant is None else variant
-        if not isinstance(variant, str) or variant.upper() not in ELF_VARIANTS:
-            options = ", ".join(f"{k!r} ({v})" for k, v in ELF_VARIANTS.items())
-            raise ValueError(f"Unknown ELF `variant`={variant!r}; choose one of {options}.")
-        variant = variant.upper()
+        variant = canonical_variant("elf", variant)
         self.variant = variant
-        compress_up = variant in ("D", "B")
-        compress_down = variant in ("P", "B")
+        info = variant_info("elf", variant)
+        compress_up, compress_down = info.compress_up, info.compress_down
         if not compress_up and uplink is not None:
             raise ValueError(
                 "P-ELF sends dense gradients on the uplink and takes no `uplink` compressor; "
@@ -275,7 +270,7 @@ class ELF(FederatedKernel):
         warn_if_many_empty_rounds(self.participation, partition.num_clients)
         self._compress_up = compress_up
         self._compress_down = compress_down
-        self.name = f"{variant}-ELF"
+        self.name = info.display
 
     def __repr__(self) -> str:
         return (

@@ -56,13 +56,14 @@ import numpy as np
 from jax import lax, random
 from numpyro.infer.initialization import init_to_uniform
 
-from numpyro_fed.compressors import Compressor, identity, quantize
-from numpyro_fed.distributed.participation import (
+from numpyro_fed.algorithms.participation import (
     check_participation,
     participation_mask,
     ratio_weights,
     warn_if_many_empty_rounds,
 )
+from numpyro_fed.algorithms.variants import canonical_variant, spellings
+from numpyro_fed.compressors import Compressor, identity, quantize
 from numpyro_fed.kernels.base import langevin_move, split_chain_keys
 from numpyro_fed.kernels.langevin import FederatedKernel
 from numpyro_fed.partition import ClientPartition
@@ -80,10 +81,9 @@ __all__ = [
     "check_theta_star",
 ]
 
-#: Accepted spellings of the three variants, mapped to their canonical names.
-VARIANTS: dict[str, str] = {
-    "#": "#", "sharp": "#", "*": "*", "star": "*", "++": "++", "plusplus": "++",
-}
+#: Accepted spellings of the three variants (lower case), mapped to their canonical names;
+#: read from the package's one variant table, :data:`numpyro_fed.algorithms.variants.VARIANTS`.
+VARIANTS: dict[str, str] = spellings("qlsd")
 
 
 class QLSDExtra(NamedTuple):
@@ -159,16 +159,6 @@ def check_theta_star(pot, value: Mapping[str, Any]) -> jax.Array:
                 f"`theta_star[{name!r}]` = {np.array2string(v, precision=4)} is outside the "
                 f"support of site {name!r} ({t.codomain}); give a value inside it.")
     return pot.unconstrain(value)
-
-
-def _canonical_variant(variant: str) -> str:
-    key = variant.strip().lower() if isinstance(variant, str) else variant
-    if key not in VARIANTS:
-        raise ValueError(
-            f"Unknown `variant`={variant!r}; use one of {sorted(VARIANTS)} "
-            "('#'/'sharp': QLSD#, '*'/'star': QLSD*, '++'/'plusplus': QLSD++)."
-        )
-    return VARIANTS[key]
 
 
 def find_theta_star(
@@ -309,7 +299,7 @@ class QLSD(FederatedKernel):
     :param participation: probability ``p`` that a client takes part in a round (default 1:
         every client, every round). Absent clients send nothing and keep their memory term;
         the server reweights the received messages by the ratio estimator
-        :math:`b/|S_k|` (see :mod:`numpyro_fed.distributed.participation`); the mask of each
+        :math:`b/|S_k|` (see :mod:`numpyro_fed.algorithms.participation`); the mask of each
         round is ``state.extra.participants``.
     :param kwargs: :class:`~numpyro_fed.kernels.langevin.FederatedKernel` options (``prior``,
         ``likelihood_weight``, ``init_strategy``, ``check_finite``,
@@ -349,7 +339,7 @@ class QLSD(FederatedKernel):
         init_strategy: Callable = init_to_uniform,
         **kwargs: Any,
     ) -> None:
-        self.variant = _canonical_variant(variant)
+        self.variant = canonical_variant("qlsd", variant)
         self.participation = check_participation(participation)
         given = [n for n, v in (("compressor", compressor), ("bits", bits), ("levels", levels))
                  if v is not None]
@@ -532,7 +522,7 @@ class QLSD(FederatedKernel):
 
     def _partial_step(self, key, noise_key, i, x, extra, data):
         """One round with partial participation: clients in :math:`S_k` (drawn by
-        :func:`~numpyro_fed.distributed.participation.participation_mask`) send
+        :func:`~numpyro_fed.algorithms.participation.participation_mask`) send
         :math:`g_i = \\mathcal{C}(H_i - \\eta_i)`; the server uses
         :math:`g = \\eta + (b/|S_k|)\\sum_{i\\in S_k} g_i` and only the senders update their
         memory. The QLSD++ control variates :math:`\\nabla U_i(\\zeta_k)` are deterministic,

@@ -41,6 +41,7 @@ import numpy as np
 from jax import random
 
 from numpyro_fed.nlme.data import Doses, PKDataset
+from numpyro_fed.nlme.transforms import TRANSFORMS
 
 __all__ = ["NLMEFit"]
 
@@ -103,8 +104,6 @@ class NLMEFit:
                 df.loc[f"sd_{n}"] = {"estimate": sd, "se": np.nan, "rse_%": np.nan,
                                      "cv_%": cv}
         for n in pk.names:  # typical values on the natural scale
-            from numpyro_fed.nlme.model import TRANSFORMS
-
             f = TRANSFORMS[pk.params[n].transform][0]
             df.loc[f"typical_{n}"] = {"estimate": float(f(est[f"mu_{n}"])), "se": np.nan,
                                       "rse_%": np.nan, "cv_%": np.nan}
@@ -168,8 +167,6 @@ class NLMEFit:
         :return: a pandas DataFrame indexed by subject ID.
         """
         import pandas as pd
-
-        from numpyro_fed.nlme.model import TRANSFORMS
 
         pk = self.pk
         mode = self.individual_parameters("mode")

@@ -53,16 +53,12 @@ from numpyro.distributions import constraints
 
 from numpyro_fed.nlme.data import Doses, PKDataset
 from numpyro_fed.nlme.error import ErrorModel
+from numpyro_fed.nlme.transforms import TRANSFORMS
 
 __all__ = ["Param", "PKModel", "TRANSFORMS", "COVARIATE_KINDS"]
 
 #: transforms of individual parameters: name -> (forward, inverse) between the latent
 #: (Gaussian) scale and the natural scale
-TRANSFORMS: dict[str, tuple[Callable, Callable]] = {
-    "log": (jnp.exp, jnp.log),
-    "none": (lambda x: x, lambda x: x),
-    "logit": (jax.nn.sigmoid, lambda p: jnp.log(p) - jnp.log1p(-p)),
-}
 COVARIATE_KINDS = ("linear", "power", "categorical")
 #: the inverse transforms on host values (initial values: constants, also under a trace)
 _INVERSE_NP: dict[str, Callable] = {
