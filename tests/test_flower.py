@@ -421,7 +421,7 @@ def test_custom_compressor_is_not_deployed_under_a_library_name(problem):
         wire_codec(custom, 4)
     kernel = DELF(logistic_regression, part, step_size=2e-3, uplink=custom)
     with pytest.raises(ValueError, match=r"`compressor`='top_k\(k=2\)' is not a deployable"):
-        FlowerSpec.from_kernel(kernel, "models:logistic_regression", num_samples=2, seed=3)
+        FlowerSpec.from_kernel(kernel, "m:f", num_samples=2, seed=3)
     with pytest.raises(ValueError, match=r"`downlink`.*no `spec`"):
         _spec(algorithm="pelf", downlink=custom)
     # a library compressor that has no wire format: float_bits other than 32
