@@ -1,6 +1,6 @@
 """Ready NumPyro models and offline dataset loaders used by the examples and tests."""
 
-from models.datasets import (
+from numpyro_fed.examples.datasets import (
     load_breast_cancer,
     load_caravan,
     load_default,
@@ -9,7 +9,7 @@ from models.datasets import (
     synthetic_fedprox,
     train_test_split,
 )
-from models.logistic import logistic_regression, multinomial_logistic_regression
+from numpyro_fed.examples.logistic import logistic_regression, multinomial_logistic_regression
 
 __all__ = [
     "load_breast_cancer",

@@ -16,7 +16,7 @@ import numpyro.distributions as dist
 from jax.scipy.special import gammaln
 from numpyro.distributions import constraints
 
-from models.datasets import load_caravan, train_test_split
+from numpyro_fed.examples.datasets import load_caravan, train_test_split
 
 __all__ = [
     "MEDPAR_COVARIATES",
@@ -64,8 +64,8 @@ def load_azpro(test_fraction: float = 0.2, seed: int = 0, dtype=np.float32):
 
 def load_caravan_ard(test_fraction: float = 0.2, seed: int = 0, dtype=np.float32):
     """``ISLR/Caravan`` (5822 x 85, 6% positives) standardised with the training moments,
-    WITHOUT the intercept column of :func:`models.datasets.load_caravan` (the ARD model has its
-    own intercept). Returns ``X_train, X_test, y_train, y_test``."""
+    WITHOUT the intercept column of :func:`numpyro_fed.examples.datasets.load_caravan` (the ARD
+    model has its own intercept). Returns ``X_train, X_test, y_train, y_test``."""
     X_tr, X_te, y_tr, y_te = load_caravan(test_fraction, seed, dtype)
     return X_tr[:, 1:], X_te[:, 1:], y_tr, y_te
 
