@@ -33,8 +33,8 @@ import numpy as np
 from jax import lax, random
 from numpyro.infer import MCMC
 
-from models import load_breast_cancer, logistic_regression
 from numpyro_fed import ClientPartition, compressors
+from numpyro_fed.examples import load_breast_cancer, logistic_regression
 from numpyro_fed.kernels.elf import BELF, DELF, PELF
 
 K = 3

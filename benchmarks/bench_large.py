@@ -47,9 +47,9 @@ from jax import random  # noqa: E402
 from numpyro.infer import MCMC, NUTS  # noqa: E402
 from numpyro.infer.initialization import init_to_median  # noqa: E402
 
-from models import logistic_regression  # noqa: E402
 from numpyro_fed import ClientPartition  # noqa: E402
 from numpyro_fed.bits import counter_value  # noqa: E402
+from numpyro_fed.examples import logistic_regression  # noqa: E402
 from numpyro_fed.kernels.qlsd import QLSD  # noqa: E402
 
 

@@ -52,8 +52,8 @@ from jax import lax, random  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 from numpyro.infer.util import initialize_model  # noqa: E402
 
-from models import logistic_regression  # noqa: E402
 from numpyro_fed import ClientPartition, compressors  # noqa: E402
+from numpyro_fed.examples import logistic_regression  # noqa: E402
 from numpyro_fed.kernels.base import langevin_move  # noqa: E402
 from numpyro_fed.kernels.elf import ELF  # noqa: E402
 from numpyro_fed.kernels.langevin import MALA, ULA, FederatedLangevin  # noqa: E402

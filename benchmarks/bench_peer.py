@@ -53,8 +53,8 @@ from bench_overhead import kernel_scan  # noqa: E402
 from jax import lax, random  # noqa: E402
 from numpyro.infer.mcmc import MCMCKernel  # noqa: E402
 
-from models import logistic_regression  # noqa: E402
 from numpyro_fed import ClientPartition  # noqa: E402
+from numpyro_fed.examples import logistic_regression  # noqa: E402
 from numpyro_fed.kernels.langevin import FederatedLangevin  # noqa: E402
 from numpyro_fed.potential import batch_indices  # noqa: E402
 

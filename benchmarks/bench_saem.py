@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 from _common import device_name, md_table, write_result  # noqa: E402
 from jax import random  # noqa: E402
 
-from models.pk import load_theophylline, theophylline_model  # noqa: E402
+from numpyro_fed.examples.pk import load_theophylline, theophylline_model  # noqa: E402
 from numpyro_fed.saem import SAEM, Schedule  # noqa: E402
 
 

@@ -39,8 +39,8 @@ from _common import (  # noqa: E402
 from bench_overhead import kernel_scan, make_data  # noqa: E402
 from jax import random  # noqa: E402
 
-from models import logistic_regression  # noqa: E402
 from numpyro_fed import compressors  # noqa: E402
+from numpyro_fed.examples import logistic_regression  # noqa: E402
 from numpyro_fed.kernels.elf import ELF  # noqa: E402
 from numpyro_fed.kernels.langevin import FederatedLangevin  # noqa: E402
 from numpyro_fed.kernels.qlsd import QLSD  # noqa: E402

@@ -30,8 +30,8 @@ import pandas as pd
 from jax import random
 from numpyro.infer import MCMC, NUTS
 
-from models import load_default, logistic_regression
 from numpyro_fed import ClientPartition, FederatedLangevin, compressors, to_inference_data
+from numpyro_fed.examples import load_default, logistic_regression
 
 FEATURES = ["intercept", "student", "balance", "income"]
 

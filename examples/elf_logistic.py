@@ -78,7 +78,7 @@ def k_values(dataset: str, d: int, paper: bool, smoke: bool) -> list[int]:
 
 
 def load(dataset: str):
-    from models import load_breast_cancer, load_caravan
+    from numpyro_fed.examples import load_breast_cancer, load_caravan
 
     loader = {"breast_cancer": load_breast_cancer, "caravan": load_caravan}[dataset]
     return loader(dtype=np.float32)
@@ -149,8 +149,8 @@ def evaluate(w, cum_up, cum_down, X_te, y_te, num_points=10):
 def experiment(dataset, target, step, args, log):
     from jax import random
 
-    from models import logistic_regression
     from numpyro_fed import ClientPartition, FederatedLangevin, compressors
+    from numpyro_fed.examples import logistic_regression
     from numpyro_fed.kernels.elf import BELF, DELF, PELF
 
     X, X_te, y, y_te = load(dataset)

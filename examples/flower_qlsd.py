@@ -27,10 +27,13 @@ import numpy as np
 from jax import random
 from numpyro.infer import MCMC
 
-from models import logistic_regression
 from numpyro_fed import DELF, ClientPartition, compressors
+from numpyro_fed.examples import logistic_regression
 from numpyro_fed.flower import FlowerSpec, run_loopback, to_inference_data
 from numpyro_fed.kernels.qlsd import QLSD
+
+#: the Flower model spec (``module:attribute``): clients and server import the model by name
+MODEL = "numpyro_fed.examples:logistic_regression"
 
 
 def _data(num_clients: int, n: int, d: int):
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     for name, kern in kernels.items():
         ref = np.asarray(_run(kern, steps).get_samples()["w"])
-        spec = FlowerSpec.from_kernel(kern, "models:logistic_regression", num_samples=steps,
+        spec = FlowerSpec.from_kernel(kern, MODEL, num_samples=steps,
                                       seed=3)
         t0 = time.perf_counter()
         coord = run_loopback(spec, clients)
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
                     bits=4, refresh_every=20)
         ref = np.asarray(_run(kern, psteps).get_samples()["w"])
         # a generous round timeout: the first round compiles JAX in every ClientApp process
-        spec = FlowerSpec.from_kernel(kern, "models:logistic_regression", num_samples=psteps,
+        spec = FlowerSpec.from_kernel(kern, MODEL, num_samples=psteps,
                                       seed=3, round_timeout=600.0)
         t0 = time.perf_counter()
         idata = run_processes(spec, pclients, os.path.join(args.out, "processes"),

@@ -31,8 +31,8 @@ from _qlsd_common import parser, run_chains, write_outputs
 from jax import random
 from scipy.stats import gaussian_kde
 
-from models import load_digits
 from numpyro_fed import ClientPartition
+from numpyro_fed.examples import load_digits
 from numpyro_fed.kernels.qlsd import LSD, QLSD
 
 NAME = "qlsd_bnn_digits"

@@ -38,8 +38,8 @@ import pandas as pd
 from _qlsd_common import parser, run_chains, write_outputs
 from jax import random
 
-from models import load_digits, multinomial_logistic_regression
 from numpyro_fed import ClientPartition
+from numpyro_fed.examples import load_digits, multinomial_logistic_regression
 from numpyro_fed.kernels.qlsd import LSD, QLSD, find_theta_star
 
 NAME = "qlsd_digits_multinomial"

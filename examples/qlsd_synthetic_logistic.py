@@ -1,7 +1,8 @@
 """QLSD paper, Sec. 4 "Bayesian logistic regression, synthetic data" (Fig. 1, bottom row).
 
 Data: FedProx's SYNTHETIC(alpha=1, beta=1) generator (Li et al., 2020, Sec. 5.1) in its binary,
-2-feature form, as implemented by ``models.synthetic_fedprox(1, 1, 50, dim=2, num_classes=2)``:
+2-feature form, as implemented by
+``numpyro_fed.examples.synthetic_fedprox(1, 1, 50, dim=2, num_classes=2)``:
 client k has its own model W_k, b_k ~ N(u_k, 1), u_k ~ N(0, 1), inputs x ~ N(v_k, diag(j^-1.2)),
 v_k ~ N(B_k, 1), B_k ~ N(0, 1), labels argmax(W_k x + b_k); client sizes follow FedProx's
 lognormal power law (50 to 2000 rows). b = 50 clients, logistic regression without intercept
@@ -25,8 +26,8 @@ from _qlsd_common import parser, run_chains, write_outputs
 from jax import random
 from numpyro.infer import MCMC
 
-from models import logistic_regression, synthetic_fedprox
 from numpyro_fed import MALA, ClientPartition
+from numpyro_fed.examples import logistic_regression, synthetic_fedprox
 from numpyro_fed.kernels.qlsd import QLSD
 
 NAME = "qlsd_synthetic_logistic"

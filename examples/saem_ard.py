@@ -1,7 +1,7 @@
 """MCMC-SAEM for logistic regression with automatic relevance determination on ``ISLR/Caravan``
 (MCMC-SAEM paper, Sec. 5.4, Fig. 4).
 
-Model (``models.glmm.ard_logistic``): :math:`\\beta_0 \\sim \\mathcal N(0, 10)`,
+Model (``numpyro_fed.examples.glmm.ard_logistic``): :math:`\\beta_0 \\sim \\mathcal N(0, 10)`,
 :math:`\\beta_j \\sim \\mathcal N(0, \\gamma_j^{-1})`, Bernoulli-logit likelihood; the 85
 relevance hyperparameters are fitted by SAEM (:math:`\\gamma_k = 1/\\sqrt k`, 4 Langevin steps
 per iteration, :math:`\\theta_0 = 1`) with the paper's diagonal preconditioner
@@ -36,7 +36,7 @@ from _saem_common import (  # noqa: E402
 )
 from jax import lax, random  # noqa: E402
 
-from models.glmm import ard_logistic, ard_preconditioner, load_caravan_ard  # noqa: E402
+from numpyro_fed.examples.glmm import ard_logistic, ard_preconditioner, load_caravan_ard  # noqa: E402
 
 NAME = "saem_ard"
 

@@ -18,7 +18,7 @@ neonates, 589 intravenous bolus doses (1 to 15 per subject), 155 sparse concentr
    individual fits, VPC and prediction-corrected VPC (PNG);
 5. simulation of a new dosing regimen (loading dose + maintenance) for new neonates;
 6. Theophylline on the new layer (``nlme.load_theophylline()``, one compartment with
-   first-order absorption) against the hand-written model of ``models/pk.py``: same
+   first-order absorption) against the hand-written model of ``numpyro_fed.examples.pk``: same
    estimates.
 
 Usage: ``python examples/saem_phenobarb.py [--out DIR] [--smoke]`` (about 2-3 minutes on 2
@@ -69,8 +69,13 @@ def _exact(name: str, params: dict):
 
 
 def _theophylline(key, tables: dict) -> list:
-    """Step 6: Theophylline on the nlme layer against models/pk.py's hand-written model."""
-    from models.pk import load_theophylline, theophylline_exact_fit, theophylline_model
+    """Step 6: Theophylline on the nlme layer against the hand-written model of
+    numpyro_fed.examples.pk."""
+    from numpyro_fed.examples.pk import (
+        load_theophylline,
+        theophylline_exact_fit,
+        theophylline_model,
+    )
 
     lines: list = []
     th = nlme.load_theophylline()
@@ -85,14 +90,14 @@ def _theophylline(key, tables: dict) -> list:
     for new_n, old_n in (("KA", "ka"), ("V", "V"), ("CL", "CL")):
         rows.append({"parameter": f"mu_{old_n}",
                      "nlme layer": float(fit_th.params[f"mu_{new_n}"]),
-                     "models/pk.py": float(res_old.params[f"mu_{old_n}"]),
+                     "hand-written": float(res_old.params[f"mu_{old_n}"]),
                      "exact MLE": float(exact[f"mu_{old_n}"])})
         rows.append({"parameter": f"omega_{old_n}",
                      "nlme layer": float(fit_th.params[f"omega_{new_n}"]),
-                     "models/pk.py": float(res_old.params[f"omega_{old_n}"]),
+                     "hand-written": float(res_old.params[f"omega_{old_n}"]),
                      "exact MLE": float(exact[f"omega_{old_n}"])})
     rows.append({"parameter": "sigma", "nlme layer": float(fit_th.params["a"]),
-                 "models/pk.py": float(res_old.params["sigma"]),
+                 "hand-written": float(res_old.params["sigma"]),
                  "exact MLE": float(exact["sigma"])})
     t_th = pd.DataFrame(rows).set_index("parameter")
     tables["theophylline"] = t_th

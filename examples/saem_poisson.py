@@ -1,7 +1,7 @@
 """MCMC-SAEM for robust (Poisson-lognormal) regression on ``COUNT/medpar`` and ``COUNT/azpro``
 (MCMC-SAEM paper, Sec. 5.3, Fig. 3).
 
-Model (``models.glmm.poisson_lognormal``): :math:`\\eta_i \\sim \\mathcal N(\\beta_0 +
+Model (``numpyro_fed.examples.glmm.poisson_lognormal``): :math:`\\eta_i \\sim \\mathcal N(\\beta_0 +
 x_i^\\top\\beta, \\sigma^2)`, :math:`y_i \\sim \\mathrm{Poisson}(e^{\\eta_i})`; one latent
 :math:`\\eta_i` per observation, closed-form Gaussian M-step (recognised automatically).
 Response: length of stay; covariates: medpar ``hmo, white, age80, type2, type3`` (elective
@@ -41,7 +41,7 @@ from _saem_common import (  # noqa: E402
 )
 from jax import random  # noqa: E402
 
-from models.glmm import (  # noqa: E402
+from numpyro_fed.examples.glmm import (  # noqa: E402
     AZPRO_COVARIATES,
     MEDPAR_COVARIATES,
     load_azpro,

@@ -6,7 +6,7 @@
     and preconditioned MALA, automatic Gaussian M-step. Estimates,
     Louis standard errors, :math:`-2\\ell` / AIC / BIC by importance sampling, against the
     maximum of the exact marginal likelihood (adaptive Gauss--Hermite quadrature over the three
-    random effects, ``models.pk.theophylline_exact_fit``). Convergence plots.
+    random effects, ``numpyro_fed.examples.pk.theophylline_exact_fit``). Convergence plots.
 (b) The paper's experiment (Fig. 2): test marginal log predictive density per test subject
     (annealed importance sampling, 100 particles x 1000 quadratic-schedule temperatures) of the
     hyperparameters fitted by SAEM (paper's settings: :math:`\\gamma_k = 1/\\sqrt k`, 1000
@@ -45,7 +45,7 @@ from _saem_common import (  # noqa: E402
 )
 from jax import random  # noqa: E402
 
-from models.pk import (  # noqa: E402
+from numpyro_fed.examples.pk import (  # noqa: E402
     THEOPHYLLINE_INIT,
     load_theophylline,
     theophylline_exact_fit,

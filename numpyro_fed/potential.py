@@ -2,7 +2,8 @@
 
 The target is :math:`\\pi(\\theta) \\propto \\exp(-U(\\theta))` in NumPyro's *unconstrained*
 space, with the finite-sum decomposition over the :math:`b` clients of a
-:class:`~numpyro_fed.partition.ClientPartition` (QLSD paper, eq. (1); ELF paper, eq. (1))
+:class:`~numpyro_fed.partition.ClientPartition` (Vono et al. 2022, eq. (1);
+Karagulyan & Richtárik 2023, eq. (1))
 
 .. math::
 
@@ -29,11 +30,13 @@ Gradient oracles (all vmapped over clients, no Python loop):
 
 * :meth:`FederatedPotential.full_grads` -- :math:`\\nabla U_i(\\theta)` for every client;
 * :meth:`FederatedPotential.batch_grads` -- the minibatch oracle
-  :math:`(N_i/n)\\sum_{j\\in S_i} \\nabla U_{ij}(\\theta)` of QLSD# (000, Alg. 1), plus the
+  :math:`(N_i/n)\\sum_{j\\in S_i} \\nabla U_{ij}(\\theta)` of QLSD# (Vono et al. 2022, Alg. 1), plus
+  the
   exact prior share;
 * :meth:`FederatedPotential.batch_grad_diffs` --
   :math:`(N_i/n)\\sum_{j\\in S_i} [\\nabla U_{ij}(\\theta) - \\nabla U_{ij}(\\zeta)]` on the same
-  minibatch (control variates of QLSD* / QLSD++, 000 Alg. 2).
+  minibatch (control variates of QLSD* / QLSD++, Vono et al. 2022,
+  Alg. 2).
 
 **Minibatch scheme.** Each client draws its :math:`n` indices uniformly *with replacement*
 from its :math:`N_i` rows (:func:`batch_indices`), independently across clients and steps. The
@@ -234,7 +237,8 @@ class FederatedPotential:
         ``"server"`` (:math:`w_0 = 1`, clients hold likelihood only), or an array of ``b``
         non-negative client weights summing to 1.
     :param likelihood_weight: :math:`\\tau_i`, a scalar or an array of ``b`` per-client weights.
-        The default 1 gives the true posterior; the ELF paper's tempered target
+        The default 1 gives the true posterior; the tempered target of Karagulyan &
+        Richtárik 2023,
         :math:`F = \\frac1b\\sum_i [\\frac1{N_i}\\sum_j \\ell_{ij} + \\frac\\lambda2\\|x\\|^2]`
         is ``likelihood_weight = 1/(b N_i)`` with ``prior="split"``.
     :param check: verify once, on row sets of the pooled data, that the observed sites
@@ -477,7 +481,7 @@ class FederatedPotential:
         return jax.vmap(lambda rows, ix: jax.tree.map(lambda a: a[ix], rows))(data.data, idx)
 
     def batch_grads(self, key: Array, theta: Array, data: ClientPartition, batch_size: int):
-        """Minibatch oracle of QLSD# (000, Alg. 1): shape ``(b, d)``, unbiased for
+        """Minibatch oracle of QLSD# (Vono et al. 2022, Alg. 1): shape ``(b, d)``, unbiased for
         :math:`\\nabla U_i(\\theta)`; the prior share is exact, not subsampled."""
         rows = self.sample_batch(key, data, batch_size)
         g = jax.vmap(jax.grad(self._client_batch_potential), in_axes=(None, 0, 0, 0, None))(
@@ -490,7 +494,8 @@ class FederatedPotential:
     ) -> Array:
         """:math:`(N_i/n)\\sum_{j\\in S_i}[\\nabla U_{ij}(\\theta)-\\nabla U_{ij}(\\zeta)]`
         on one shared minibatch per client, plus the exact prior-share difference; shape
-        ``(b, d)``. Add :math:`\\nabla U_i(\\zeta)` for an unbiased oracle (000, Alg. 2)."""
+        ``(b, d)``. Add :math:`\\nabla U_i(\\zeta)` for an unbiased oracle (Vono et al.
+        2022, Alg. 2)."""
         rows = self.sample_batch(key, data, batch_size)
         grad_fn = jax.grad(self._client_batch_potential)
 

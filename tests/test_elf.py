@@ -20,9 +20,9 @@ from jax import random
 from mc_stats import batch_means_se  # batches of 1000 steps >> relaxation time 44
 from numpyro.infer import MCMC
 
-from models import logistic_regression
 from numpyro_fed import ClientPartition, FederatedLangevin, compressors, to_inference_data
 from numpyro_fed.compressors import ceil_log2
+from numpyro_fed.examples import logistic_regression
 from numpyro_fed.kernels.elf import BELF, DELF, ELF, PELF, ELFState
 
 KERNELS = {"D": DELF, "P": PELF, "B": BELF}

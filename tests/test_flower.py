@@ -15,9 +15,9 @@ pytest.importorskip("flwr")
 from jax import random
 from numpyro.infer import MCMC
 
-from models import logistic_regression
 from numpyro_fed import DELF, ClientPartition, compressors
 from numpyro_fed.bits import counter_value
+from numpyro_fed.examples import logistic_regression
 from numpyro_fed.flower import FlowerSpec, make_client_app, run_loopback, serve, to_inference_data
 from numpyro_fed.flower.apps import _load_state
 from numpyro_fed.flower.runner import LoopbackGrid
@@ -25,6 +25,8 @@ from numpyro_fed.kernels.elf import BELF, PELF
 from numpyro_fed.kernels.qlsd import QLSD
 
 B = 4
+#: the Flower model spec (``module:attribute``) of the logistic regression
+MODEL = "numpyro_fed.examples:logistic_regression"
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,7 @@ def test_flower_run_matches_inprocess_kernel(problem, name):
     steps = STEPS.get(name, 150)
     kernel = KERNELS[name](part)
     ref, extra, last = _inprocess(kernel, steps)
-    spec = FlowerSpec.from_kernel(kernel, "models:logistic_regression", num_samples=steps, seed=3)
+    spec = FlowerSpec.from_kernel(kernel, MODEL, num_samples=steps, seed=3)
     coord = run_loopback(spec, clients)
     idata = to_inference_data(coord)
     got = idata.posterior["w"].values[0]
@@ -125,7 +127,7 @@ def test_wire_payload_is_the_declared_message(problem):
     the declared bits padded to whole bytes (< 8 bits per client and round)."""
     part, clients = problem
     kernel = KERNELS["qlsd++"](part)
-    spec = FlowerSpec.from_kernel(kernel, "models:logistic_regression", num_samples=30, seed=3)
+    spec = FlowerSpec.from_kernel(kernel, MODEL, num_samples=30, seed=3)
     ss = to_inference_data(run_loopback(spec, clients)).sample_stats
     declared = ss["bits_up_declared"].values[0]
     payload = ss["bits_up_payload"].values[0]
@@ -140,7 +142,7 @@ def test_wire_payload_is_the_declared_message(problem):
 def test_faults_and_malformed_messages_are_survived_and_rejected(problem, caplog):
     part, clients = problem
     kernel = KERNELS["delf"](part)
-    spec = FlowerSpec.from_kernel(kernel, "models:logistic_regression", num_samples=14, seed=3,
+    spec = FlowerSpec.from_kernel(kernel, MODEL, num_samples=14, seed=3,
                                   round_timeout=1.0)
     plan = {("step-3", 0): "drop", ("step-5", 1): "timeout", ("step-7", 2): "corrupt",
             ("step-9", 3): "oversize", ("step-11", 0): "crash"}
@@ -183,7 +185,7 @@ def test_belf_catch_up_under_faults_keeps_w_and_g_consistent(problem, caplog):
     steps = 16
     kernel = BELF(logistic_regression, part, step_size=2e-3, uplink=compressors.top_k(2),
                   downlink=compressors.top_k(1))  # |Q^P| = 34 bits, dense w: 128 bits
-    spec = FlowerSpec.from_kernel(kernel, "models:logistic_regression", num_samples=steps,
+    spec = FlowerSpec.from_kernel(kernel, MODEL, num_samples=steps,
                                   seed=3, round_timeout=1.0)
     plan = {("step-3", 0): "drop", ("step-5", 1): "timeout", ("step-7", 3): "corrupt",
             ("step-9", 3): "oversize", ("step-11", 0): "crash",
@@ -231,7 +233,7 @@ def test_spec_validation_and_theta_star_given(problem):
     kernel = QLSD(logistic_regression, part, variant="*", step_size=2e-3, batch_size=10, bits=4,
                   theta_star=theta)
     kernel._prepare_theta_star(random.key(3))
-    spec = FlowerSpec.from_kernel(kernel, "models:logistic_regression", num_samples=3, seed=3)
+    spec = FlowerSpec.from_kernel(kernel, MODEL, num_samples=3, seed=3)
     coord = run_loopback(FlowerSpec.from_config(spec.to_config()), clients)
     assert coord.theta_star_search.method == "user" and coord.setup_bits["rounds"] == 1
     assert coord.setup_bits["up_declared"] == kernel._star_bits[0] == B * 32 * 4
@@ -282,7 +284,7 @@ def test_diverging_deployment_stops_with_the_in_process_error(problem, name):
               DELF(logistic_regression, part, step_size=5.0, uplink=compressors.top_k(2)))
     with pytest.raises(DivergenceError) as inproc:
         _inprocess(kernel, 200)
-    spec = FlowerSpec.from_kernel(kernel, "models:logistic_regression", num_samples=200, seed=3)
+    spec = FlowerSpec.from_kernel(kernel, MODEL, num_samples=200, seed=3)
     with pytest.raises(DivergenceError) as deployed:
         run_loopback(spec, clients)
     head = str(inproc.value).split(" Reduce")[0]
@@ -300,7 +302,7 @@ def test_a_diverging_server_app_is_raised_by_the_launching_process(problem, tmp_
 
     part, clients = problem
     kernel = DELF(logistic_regression, part, step_size=5.0, uplink=compressors.top_k(2))
-    spec = FlowerSpec.from_kernel(kernel, "models:logistic_regression", num_samples=200, seed=3)
+    spec = FlowerSpec.from_kernel(kernel, MODEL, num_samples=200, seed=3)
     app = make_client_app(lambda ctx: (int(ctx.node_config["partition-id"]),
                                        clients[int(ctx.node_config["partition-id"])], {}))
     grid = LoopbackGrid(app, [{"partition-id": i} for i in range(len(clients))])
@@ -348,7 +350,7 @@ def test_spec_rejects_bad_arguments_naming_them(kw, exc, arg):
 
 def test_client_with_wrong_data_shape_is_named(problem):
     _, clients = problem
-    spec = _spec(model="models:logistic_regression", num_clients=B, num_samples=2)
+    spec = _spec(model=MODEL, num_clients=B, num_samples=2)
     bad = [dict(c) for c in clients]
     bad[2] = {"X": bad[2]["X"][:, :3], "y": bad[2]["y"]}
     with pytest.raises(ValueError, match=r"client 2's data key 'X' has rows of shape \(3,\)"):
@@ -362,7 +364,7 @@ def test_client_with_wrong_data_shape_is_named(problem):
     with pytest.raises(ValueError, match="client 3's data keys have different numbers of rows"):
         run_loopback(spec, bad)
     with pytest.raises(ValueError, match="`batch_size`=1000 exceeds the size of client"):
-        run_loopback(_spec(model="models:logistic_regression", num_clients=B, num_samples=2,
+        run_loopback(_spec(model=MODEL, num_clients=B, num_samples=2,
                            batch_size=1000), clients)
 
 

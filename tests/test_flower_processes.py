@@ -23,11 +23,13 @@ if flower_executables() is None:
 from jax import random  # noqa: E402
 from numpyro.infer import MCMC  # noqa: E402
 
-from models import logistic_regression  # noqa: E402
 from numpyro_fed import ClientPartition  # noqa: E402
+from numpyro_fed.examples import logistic_regression  # noqa: E402
 from numpyro_fed.flower import FlowerSpec  # noqa: E402
 from numpyro_fed.flower.runner import run_processes  # noqa: E402
 from numpyro_fed.kernels.qlsd import QLSD  # noqa: E402
+
+MODEL = "numpyro_fed.examples:logistic_regression"  # the Flower model spec (``module:attribute``)
 
 B, STEPS = 2, 3
 
@@ -48,7 +50,7 @@ def test_processes_tls_auth_match_inprocess_qlsdpp(tmp_path):
     ref = np.asarray(mcmc.get_samples()["w"])
     # a lost round would change the draws (the run goes on without it): on a loaded machine
     # the first round (JAX compiling in each ClientApp process) may exceed the default 60 s
-    spec = FlowerSpec.from_kernel(kernel, "models:logistic_regression", num_samples=STEPS,
+    spec = FlowerSpec.from_kernel(kernel, MODEL, num_samples=STEPS,
                                   seed=3, round_timeout=300.0)
     stopped = []
     idata = run_processes(spec, clients, tmp_path, tls=True, node_auth=True, timeout=400,

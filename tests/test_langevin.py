@@ -11,7 +11,6 @@ from jax import random
 from mc_stats import batch_means_se
 from numpyro.infer import MCMC, NUTS
 
-from models import logistic_regression
 from numpyro_fed import (
     MALA,
     ULA,
@@ -22,6 +21,7 @@ from numpyro_fed import (
     compressors,
     to_inference_data,
 )
+from numpyro_fed.examples import logistic_regression
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -366,8 +366,8 @@ def test_theophylline():
     first = raw.groupby("Subject").first().sort_index()
     np.testing.assert_allclose(ds.doses.amt[:, 0], first["Dose"] * first["Wt"], rtol=1e-6)
     np.testing.assert_allclose(ds.covariates["WT"], first["Wt"], rtol=1e-6)
-    # the same 120 rows as models/pk.py (what the SAEM tests fit)
-    from models.pk import load_theophylline as legacy
+    # the same 120 rows as numpyro_fed.examples.pk (what the SAEM tests fit)
+    from numpyro_fed.examples.pk import load_theophylline as legacy
 
     old = legacy()
     np.testing.assert_array_equal(ds.obs.time, old["time"])

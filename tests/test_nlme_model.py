@@ -18,9 +18,9 @@ pytestmark = pytest.mark.xdist_group("nlme")
 # ----------------------------------------------------------------------------- the model
 def test_theophylline_on_the_layer_is_the_hand_written_model():
     """The PKModel of Theophylline (one compartment, first-order absorption into CMT 1,
-    additive error) has the same log density as models/pk.py's hand-written model at the
+    additive error) has the same log density as numpyro_fed.examples.pk's hand-written model at the
     same parameters and random effects (float32 round-off: 1e-5 relative)."""
-    from models.pk import load_theophylline, theophylline_model
+    from numpyro_fed.examples.pk import load_theophylline, theophylline_model
 
     data = nlme.load_theophylline()
     pk = nlme.PKModel(nlme.one_compartment(absorption="first_order"),

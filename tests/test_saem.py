@@ -1,4 +1,4 @@
-"""Tests of MCMC-SAEM (numpyro_fed.saem) and the Theophylline model (models/pk.py)."""
+"""Tests of MCMC-SAEM (numpyro_fed.saem) and the Theophylline model (numpyro_fed.examples.pk)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ from numpyro.distributions import constraints
 from numpyro.infer import NUTS
 from scipy.stats import norm
 
-from models.pk import (
+from numpyro_fed.examples.pk import (
     load_theophylline,
     theophylline_exact_fit,
     theophylline_model,

@@ -1,5 +1,5 @@
-"""Tests of the SAEM example models (models/glmm.py, models/pk.py helpers), of annealed
-importance sampling, and smoke runs of the SAEM examples."""
+"""Tests of the SAEM example models (numpyro_fed.examples.glmm, numpyro_fed.examples.pk
+helpers), of annealed importance sampling, and smoke runs of the SAEM examples."""
 
 import importlib
 import sys
@@ -12,7 +12,7 @@ import pytest
 from jax import random
 from scipy.stats import norm, poisson
 
-from models.glmm import (
+from numpyro_fed.examples.glmm import (
     ard_logistic,
     ard_preconditioner,
     load_azpro,
@@ -21,7 +21,7 @@ from models.glmm import (
     poisson_lognormal_exact_fit,
     poisson_lognormal_loglik,
 )
-from models.pk import (
+from numpyro_fed.examples.pk import (
     load_theophylline,
     theophylline_exact_loglik,
     theophylline_model,

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     from numpyro_fed import ClientPartition, DELF, compressors
     from numpyro_fed.kernels.qlsd import QLSD
     from numpyro_fed.distributed import shard_kernel, shard_partition, client_mesh
-    from models import logistic_regression
+    from numpyro_fed.examples import logistic_regression
 
     assert jax.device_count() == 4, jax.devices()
     rng = np.random.default_rng(0)

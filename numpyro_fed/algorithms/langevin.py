@@ -16,16 +16,17 @@ __all__ = ["langevin_move", "mala_log_ratio"]
 
 def langevin_move(key, x, grad, step_size):
     """One Euler--Maruyama step of the overdamped Langevin diffusion,
-    :math:`x - \\gamma g + \\sqrt{2\\gamma} Z` (QLSD Alg. 1, last line; ELF eq. (2); the
-    ULA/MALA proposal of the MCMC-SAEM paper, Sec. 2.3). ``step_size`` may be an array
+    :math:`x - \\gamma g + \\sqrt{2\\gamma} Z` (Vono et al. 2022, Alg. 1, last line;
+    Karagulyan & Richtárik 2023, eq. (2); the ULA/MALA proposal of Gruffaz et al. 2024,
+    Sec. 2.3). ``step_size`` may be an array
     broadcastable to ``x`` (a per-coordinate step, i.e. a diagonal preconditioner)."""
     noise = random.normal(key, jnp.shape(x), dtype=jnp.result_type(x))
     return x - step_size * grad + jnp.sqrt(2.0 * step_size) * noise
 
 
 def mala_log_ratio(u_x, u_y, fwd_sq, bwd_sq, step_size):
-    """Log Metropolis--Hastings ratio of a MALA proposal (Roberts & Tweedie 1996; MCMC-SAEM
-    paper, Sec. 2.3):
+    """Log Metropolis--Hastings ratio of a MALA proposal (Roberts & Tweedie 1996; Gruffaz et al.
+    2024, Sec. 2.3):
 
     .. math::
 

@@ -35,7 +35,7 @@ refuse, since a run with sparse participation is valid, only inefficient.
 
 **Error feedback (ELF).** No reweighting: an absent client's :math:`g_i` stays stale and
 the server adds only the applied corrections, so :math:`g = \\sum_i g_i` keeps holding
-(ELF paper, Sec. 2; EF21 with partial participation).
+(Karagulyan & Richtárik 2023, Sec. 2; EF21 with partial participation).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The client axis sharded across devices (DESIGN.md Sec. 6: "Many devices").
+"""The client axis sharded across devices.
 
 On one device the clients are a leading array axis that the kernels ``vmap`` over. With
 several devices (GPUs, TPU cores, or CPU devices from

@@ -1,7 +1,7 @@
 """Error-feedback Langevin algorithms (ELF): D-ELF, P-ELF and B-ELF.
 
 Karagulyan & Richtárik, "ELF: Federated Langevin Algorithms with Primal, Dual and
-Bidirectional Compression" (arXiv:2303.04622; ``papers/002``). Three federated Langevin
+Bidirectional Compression" (2023, arXiv:2303.04622). Three federated Langevin
 Monte Carlo (LMC) samplers that compress the messages with a *contractive* compressor
 (Def. 2.1: :math:`\\mathbb{E}\\|\\mathcal{Q}(v) - v\\|^2 \\le (1-\\alpha)\\|v\\|^2`) and
 correct the compression error with error feedback:
@@ -21,8 +21,8 @@ papers' uncompressed baseline); with the same key they produce the same chain.
 
 **Conventions.** The target is :math:`\\pi \\propto e^{-U}` with :math:`U = U_0 + \\sum_{i=1}^b
 U_i` (*sum* over the :math:`b` clients; :math:`U_0` is the server's prior share, zero with the
-default ``prior="split"``). The ELF paper *averages*: :math:`F = \\frac1b\\sum_i f_i` and its
-server update is :math:`g_{k+1} = g_k + \\frac1b\\sum_i(\\cdot)`. The two coincide with
+default ``prior="split"``). Karagulyan & Richtárik *average*: :math:`F = \\frac1b\\sum_i f_i`
+and their server update is :math:`g_{k+1} = g_k + \\frac1b\\sum_i(\\cdot)`. The two coincide with
 :math:`U_i = f_i / b`; the paper's tempered logistic target
 :math:`f_i = \\frac1{N_i}\\sum_j \\ell_{ij} + \\frac\\lambda2\\|x\\|^2` is obtained with
 ``likelihood_weight = 1/(b N_i)``, ``prior="split"`` and a Gaussian prior of variance
@@ -120,7 +120,8 @@ def check_contractive(compressor: Compressor | str | None, arg: str) -> Compress
 
 class ELF(FederatedKernel):
     """Error-feedback Langevin algorithm, ``variant="D"`` (D-ELF, Alg. 1), ``"P"`` (P-ELF,
-    Alg. 2) or ``"B"`` (B-ELF, Alg. 3) of the ELF paper, as a NumPyro ``MCMCKernel``.
+    Alg. 2) or ``"B"`` (B-ELF, Alg. 3) of Karagulyan & Richtárik 2023, as a NumPyro
+    ``MCMCKernel``.
 
     One iteration (sum convention :math:`U = U_0 + \\sum_i U_i`, see the module docstring;
     :math:`\\mathcal{Q}^D` = ``uplink``, :math:`\\mathcal{Q}^P` = ``downlink``):
@@ -173,8 +174,8 @@ class ELF(FederatedKernel):
     :param batch_size: per-client minibatch size for :math:`H_i` (``None``: exact local
         gradients, as in the paper).
     :param prior: who holds the prior (see :class:`~numpyro_fed.potential.FederatedPotential`).
-    :param likelihood_weight: likelihood weight per client (``1/(b N_i)`` for the ELF paper's
-        tempered target).
+    :param likelihood_weight: likelihood weight per client (``1/(b N_i)`` for the tempered target
+        of Karagulyan & Richtárik 2023).
     :param init_strategy: NumPyro initialisation strategy.
     :param check_finite: stop with a clear error when a chain becomes non-finite.
     :param postprocess_deterministic: return deterministic sites in the samples.
@@ -359,7 +360,8 @@ class ELF(FederatedKernel):
 
 
 class DELF(ELF):
-    """D-ELF (ELF paper, Alg. 1): EF21 compression of the client-to-server messages.
+    """D-ELF (Karagulyan & Richtárik 2023, Alg. 1): EF21 compression of the client-to-server
+    messages.
 
     ``DELF(model, partition, step_size=..., uplink=compressors.top_k(k))``; see :class:`ELF`
     for the recursion, initialisation, bits and all parameters."""
@@ -372,7 +374,8 @@ class DELF(ELF):
 
 
 class PELF(ELF):
-    """P-ELF (ELF paper, Alg. 2): EF21-P compression of the server-to-client broadcast.
+    """P-ELF (Karagulyan & Richtárik 2023, Alg. 2): EF21-P compression of the server-to-client
+    broadcast.
 
     ``PELF(model, partition, step_size=..., downlink=compressors.top_k(k), w0="x0")``; see
     :class:`ELF` for the recursion, initialisation, bits and all parameters."""
@@ -385,7 +388,7 @@ class PELF(ELF):
 
 
 class BELF(ELF):
-    """B-ELF (ELF paper, Alg. 3): EF21-P on the downlink and EF21 on the uplink.
+    """B-ELF (Karagulyan & Richtárik 2023, Alg. 3): EF21-P on the downlink and EF21 on the uplink.
 
     ``BELF(model, partition, step_size=..., uplink=top_k(k), downlink=top_k(k))``; see
     :class:`ELF` for the recursion, initialisation, bits and all parameters."""

@@ -1,14 +1,14 @@
 """Langevin kernels: ULA and MALA on an ordinary NumPyro model, and federated Langevin.
 
 * :class:`ULA` -- unadjusted Langevin algorithm, :math:`\\theta^+ = \\theta - \\gamma\\nabla
-  U(\\theta) + \\sqrt{2\\gamma}Z` (Roberts & Tweedie 1996; QLSD paper's LSD baseline when run on
-  pooled data).
+  U(\\theta) + \\sqrt{2\\gamma}Z` (Roberts & Tweedie 1996; the LSD baseline of Vono et al. 2022
+  when run on pooled data).
 * :class:`MALA` -- the same proposal with a Metropolis--Hastings correction; the step size is
   adapted during warmup by dual averaging towards a target acceptance rate (default 0.574,
   Roberts & Rosenthal 1998), as NumPyro's HMC adapts its own.
 * :class:`FederatedLangevin` -- federated SGLD / ULA over a
   :class:`~numpyro_fed.partition.ClientPartition`: each client sends (optionally compressed)
-  :math:`H_i(\\theta)`, the server adds the Langevin noise (QLSD paper, Alg. 1, with the
+  :math:`H_i(\\theta)`, the server adds the Langevin noise (Vono et al. 2022, Alg. 1, with the
   full-gradient or minibatch oracle). With the identity compressor this is the papers'
   uncompressed LSD / federated LMC baseline.
 
@@ -856,7 +856,7 @@ class FederatedKernel(MCMCKernel):
 
 
 class FederatedLangevin(FederatedKernel):
-    """Federated Langevin dynamics (federated SGLD / ULA; QLSD paper Alg. 1).
+    """Federated Langevin dynamics (federated SGLD / ULA; Vono et al. 2022, Alg. 1).
 
     Each client :math:`i` computes :math:`H_i(\\theta)` (full local gradient when
     ``batch_size`` is ``None``, else the minibatch oracle :math:`(N_i/n)\\sum_{j\\in S}\\nabla

@@ -1,6 +1,6 @@
 """QLSD family: quantised Langevin stochastic dynamics (Vono et al., AISTATS 2022).
 
-All variants are one recursion (QLSD paper [VPD+22]_, Alg. 1 and Alg. 2):
+All variants are one recursion ([VPD+22]_, Alg. 1 and Alg. 2):
 
 .. math::
 

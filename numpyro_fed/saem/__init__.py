@@ -3,8 +3,9 @@
 The user writes one NumPyro model: hyperparameters :math:`\\theta` are ``numpyro.param`` sites
 (with constraints), latent variables :math:`z` are ``sample`` sites, data are observed sites.
 :class:`SAEM` maximises :math:`\\ell(\\theta) = \\log p(y\\mid\\theta) = \\log\\int p(y, z\\mid
-\\theta)\\,dz` by the MCMC-SAEM recursion of Kuhn & Lavielle (2004), in the form studied by the
-MCMC-SAEM paper (``003``, Sec. 2.2, eq. (2)).
+\\theta)\\,dz` by the MCMC-SAEM recursion of Kuhn & Lavielle (2004), in the form studied by Gruffaz,
+Kim, Durmus & Gardner (2024, "Stochastic approximation with biased MCMC for expectation
+maximization", AISTATS; Sec. 2.2, eq. (2)).
 
 Modules (each importing only those above it):
 

@@ -3,8 +3,8 @@
 :class:`LangevinEStep` is the built-in E-step (pure JAX, explicit state
 :class:`LangevinEStepState`): per E-step, ``prior_proposals`` independence Metropolis--Hastings
 moves proposing from :math:`p(z\\mid\\theta)` (saemix's kernel 1), then ``num_steps``
-preconditioned Langevin moves (MALA, or ULA without the accept/reject test; MCMC-SAEM paper,
-Sec. 2.3), each subject accepted or rejected on its own -- valid because
+preconditioned Langevin moves (MALA, or ULA without the accept/reject test; Gruffaz et al.
+2024, Sec. 2.3), each subject accepted or rejected on its own -- valid because
 :math:`p(z\\mid y;\\theta) = \\prod_i p(z_i\\mid y_i;\\theta)` given the subject layout.
 
 Adaptation (on by default when no ``step_size`` is given): during the exploration phase,
@@ -95,10 +95,11 @@ class LangevinEStep:
 
     :param info: the model.
     :param layout: the subject layout (the joint layout: one block).
-    :param mala: Metropolis-adjust the Langevin moves (``False``: ULA, the paper's E-step).
+    :param mala: Metropolis-adjust the Langevin moves (``False``: ULA, the E-step of Gruffaz
+        et al. 2024).
     :param step_size: fixed step size (no adaptation), or ``None`` for adaptive steps.
     :param preconditioner: fixed diagonal preconditioner ``P(theta_u) -> (d_z,)`` (with a
-        fixed step: the MCMC-SAEM paper's Sec. 5.4), or ``None``.
+        fixed step: Gruffaz et al. 2024, Sec. 5.4), or ``None``.
     :param prior_proposals: independence MH moves from :math:`p(z\\mid\\theta)` per E-step.
     :param target_accept: target acceptance rate of the adaptation (0.574: optimal MALA).
     """

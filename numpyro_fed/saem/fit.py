@@ -9,7 +9,7 @@ The loop (Dynamax ``fit_em`` style, over the E-step and M-step objects of
     s_{k+1} = s_k + \\gamma_{k+1}\\,(S(z_{k+1}) - s_k), \\qquad
     \\theta_{k+1} = \\hat\\theta(s_{k+1})
 
-(MCMC-SAEM paper ``003``, Sec. 2.2, eq. (2)). Burn-in, the iterations and the draws at the
+(Gruffaz et al. 2024, Sec. 2.2, eq. (2)). Burn-in, the iterations and the draws at the
 final :math:`\\theta` are one :func:`jax.lax.scan` over phases (one E-step body serves the
 three). The compiled programs take the data, the initial :math:`\\theta` and the key as
 arguments and are cached per model structure (the model, the shapes and dtypes of the data,
@@ -190,10 +190,10 @@ class SAEM:
         ``refresh`` (e.g. ``NUTS(model)``), or a factory ``f(conditioned_model) ->
         MCMCKernel``.
     :param step_size: fixed Langevin step size :math:`\\eta` of the built-in kernels (no
-        adaptation; with ``preconditioner``: the MCMC-SAEM paper's E-step). ``None``
+        adaptation; with ``preconditioner``: the E-step of Gruffaz et al. 2024). ``None``
         (default): adaptive per-subject step sizes and preconditioners.
-    :param num_mcmc_steps: Langevin steps per SAEM iteration (``m``, default 4 as in the
-        paper).
+    :param num_mcmc_steps: Langevin steps per SAEM iteration (``m``, default 4 as in
+        Gruffaz et al. 2024).
     :param num_chains: chains of :math:`z`; statistics are averaged over chains. Default:
         ``max(2, ceil(50 / number of subjects))`` (2 without a subject plate): chains x
         subjects >= 50 as in saemix, and at least two chains, which halves the Monte Carlo
@@ -203,7 +203,7 @@ class SAEM:
         parameters), ``"gaussian"`` (the same, but an error if nothing is recognised),
         ``"newton"``, or a :class:`SufficientStatistics`.
     :param preconditioner: ``P(theta) -> dict`` of fixed diagonal preconditioners per latent
-        site (with a fixed ``step_size``; MCMC-SAEM paper, Sec. 5.4).
+        site (with a fixed ``step_size``; Gruffaz et al. 2024, Sec. 5.4).
     :param fisher: offer standard errors (the Louis information from the draws at the final
         :math:`\\theta`, see :meth:`SAEMResult.fisher_information`); default: when
         :math:`\\dim\\theta \\le 50`.
@@ -212,7 +212,7 @@ class SAEM:
     :param subject_plate: the plate of independent subjects (auto-detected: the plate holding
         every latent site).
     :param mh_blocks: ``"auto"``/``"subject"`` (one Metropolis test per subject) or
-        ``"joint"`` (one test for the whole latent vector, the paper's MALA).
+        ``"joint"`` (one test for the whole latent vector, the MALA of Gruffaz et al. 2024).
     :param prior_proposals: independence MH moves from :math:`p(z\\mid\\theta)` per E-step
         (saemix's kernel 1). Default: 2 when there are subjects, else 0.
     :param newton_damping: damping :math:`\\delta` of the Newton M-step.

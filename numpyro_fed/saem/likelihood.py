@@ -14,8 +14,8 @@ unconstrained latents (the Jacobian of the latent transforms included):
 - ``"laplace"`` -- the Laplace approximation at the conditional modes (one node of the
   quadrature; for Gaussian residuals the FOCE-type linearisation with the exact Hessian).
 
-:func:`annealed_importance_sampling` is the AIS estimator used by the MCMC-SAEM paper's
-experiments.
+:func:`annealed_importance_sampling` is the AIS estimator used in the experiments of
+Gruffaz et al. 2024.
 """
 
 from __future__ import annotations
@@ -247,8 +247,8 @@ def annealed_importance_sampling(
     num_mh: int = 1,
 ) -> jax.Array:
     """Log marginal likelihood :math:`\\log\\int p(y\\mid z)p(z)dz` by annealed importance
-    sampling (Neal 2001) with the quadratic schedule :math:`\\beta_t = (t/T)^2` used by the
-    MCMC-SAEM paper (Sec. 5.2) and ``num_mh`` Metropolis-adjusted Langevin moves per
+    sampling (Neal 2001) with the quadratic schedule :math:`\\beta_t = (t/T)^2` used by
+    Gruffaz et al. 2024 (Sec. 5.2) and ``num_mh`` Metropolis-adjusted Langevin moves per
     temperature.
 
     :param log_prior: ``log p(z)`` on a flat vector.

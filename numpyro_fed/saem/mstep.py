@@ -51,7 +51,7 @@ __all__ = ["SufficientStatistics", "GaussianMStep", "NewtonMStep", "UserMStep",
 
 @dataclass(frozen=True)
 class SufficientStatistics:
-    """User-given exponential-family M-step (MCMC-SAEM paper, assumptions H1--H2).
+    """User-given exponential-family M-step (Gruffaz et al. 2024, assumptions H1--H2).
 
     :param stats: ``stats(z, *model_args, **model_kwargs)`` -> pytree :math:`S(y, z)`, where
         ``z`` is a dict of constrained latent values of one chain.

@@ -28,7 +28,7 @@ class Schedule:
         fewer than ``num_iters`` (a schedule with no averaging phase is refused: its estimate
         would be the last, noisy, iterate), unless ``gammas`` are given.
     :param decay: exponent :math:`a` of :math:`\\gamma_k = (k - K_1 + 1)^{-a}` after the
-        exploration phase; :math:`a \\in (0, 1]`. The MCMC-SAEM paper uses :math:`a = 1/2`
+        exploration phase; :math:`a \\in (0, 1]`. Gruffaz et al. 2024 use :math:`a = 1/2`
         (Sec. 5); saemix uses :math:`a = 1`, which makes the final phase an average of the
         statistics (the least Monte Carlo noise, but the slowest to forget where the
         exploration ended); the default 2/3 lies between.
@@ -63,7 +63,8 @@ class Schedule:
 
     @classmethod
     def paper(cls, num_iters: int = 1000, num_burnin: int = 100) -> Schedule:
-        """:math:`\\gamma_k = 1/\\sqrt{k}` from the first iteration (MCMC-SAEM paper, Sec. 5)."""
+        """:math:`\\gamma_k = 1/\\sqrt{k}` from the first iteration (Gruffaz et al. 2024,
+        Sec. 5)."""
         return cls(num_iters=num_iters, num_exploration=0, decay=0.5, num_burnin=num_burnin,
                    annealing=False)
 
@@ -101,7 +102,7 @@ class Schedule:
                 raise ValueError(
                     f"Schedule.decay={self.decay!r}: the step sizes gamma_k = k^-a must "
                     "decrease (a > 0) with sum gamma_k = infinity (a <= 1); use a in (0, 1] "
-                    "(0.5 as in the MCMC-SAEM paper, 1 as in saemix)."
+                    "(0.5 as in Gruffaz et al. 2024, 1 as in saemix)."
                 )
         if not 0.0 < self.anneal_factor <= 1.0:
             raise ValueError("Schedule.anneal_factor must lie in (0, 1].")
@@ -126,6 +127,6 @@ class Schedule:
             raise ValueError(
                 f"The SAEM schedule does not decrease: gamma[{bad + 1}]={g[bad + 1]:.4g} > "
                 f"gamma[{bad}]={g[bad]:.4g}. Stochastic approximation needs non-increasing "
-                "step sizes (paper, Sec. 2.4); give a non-increasing `gammas`."
+                "step sizes (Gruffaz et al. 2024, Sec. 2.4); give a non-increasing `gammas`."
             )
         return g

@@ -24,7 +24,7 @@ def multinomial_logistic_regression(X, y=None, num_classes: int = 10, prior_scal
     """Multinomial (softmax) logistic regression with weights ``(d, K)`` and biases ``(K,)``.
 
     The parameter dimension is ``(d + 1) K`` (650 for 8x8 digits with 10 classes, close to
-    the FEMNIST setting of the QLSD paper).
+    the FEMNIST setting of Vono et al. 2022).
     """
     d = X.shape[-1]
     W = numpyro.sample("W", dist.Normal(0.0, prior_scale).expand([d, num_classes]).to_event(2))

@@ -1,7 +1,7 @@
 """Theophylline pharmacokinetics: data, the one-compartment NumPyro model, and an exact
 marginal likelihood by adaptive Gauss--Hermite quadrature.
 
-Model (Kuhn & Lavielle 2005; MCMC-SAEM paper, Sec. 5.2, with the elimination rate
+Model (Kuhn & Lavielle 2005; Gruffaz et al. 2024, Sec. 5.2, with the elimination rate
 :math:`k = CL/V` as in saemix -- the paper's display writes :math:`ka - Cl`, a typo):
 
 .. math::
@@ -73,7 +73,7 @@ def theophylline_subjects(data: dict, idx) -> dict:
 
 
 def theophylline_random_split(data: dict, num_train: int = 9, seed: int = 0) -> tuple[dict, dict]:
-    """Random train/test split of the subjects (the MCMC-SAEM paper's 9:3 split, Sec. 5.2).
+    """Random train/test split of the subjects (the 9:3 split of Gruffaz et al. 2024, Sec. 5.2).
 
     :return: ``(train, test)`` dicts of :func:`load_theophylline`'s layout; subjects keep
         their original order inside each part.
@@ -87,7 +87,7 @@ def theophylline_random_split(data: dict, num_train: int = 9, seed: int = 0) -> 
 
 
 def theophylline_sufficient_statistics():
-    r"""The exponential-family M-step of the additive-error model (MCMC-SAEM paper, Sec. 5.2;
+    r"""The exponential-family M-step of the additive-error model (Gruffaz et al. 2024, Sec. 5.2;
     H1--H2): :math:`S = (\sum_i\phi_i, \sum_i\phi_i^2, \sum_{ij}(y_{ij} - f_{ij})^2)` and
     :math:`\hat\mu = S_1/n`, :math:`\hat\omega^2 = S_2/n - \hat\mu^2`,
     :math:`\hat\sigma^2 = S_3/(nT)`. Returns a :class:`numpyro_fed.saem.SufficientStatistics`

@@ -1,5 +1,5 @@
-"""Generalised linear models with hyperparameters for MCMC-SAEM (MCMC-SAEM paper, Secs.
-5.3--5.4): the Poisson-lognormal ("robust Poisson") regression on ``COUNT/medpar`` and
+"""Generalised linear models with hyperparameters for MCMC-SAEM (Gruffaz et al.
+2024, Secs. 5.3--5.4): the Poisson-lognormal ("robust Poisson") regression on ``COUNT/medpar`` and
 ``COUNT/azpro``, with its exact marginal likelihood by adaptive Gauss--Hermite quadrature, and
 logistic regression with automatic relevance determination (ARD) priors for ``ISLR/Caravan``.
 """
@@ -16,7 +16,7 @@ import numpyro.distributions as dist
 from jax.scipy.special import gammaln
 from numpyro.distributions import constraints
 
-from models.datasets import load_caravan, train_test_split
+from numpyro_fed.examples.datasets import load_caravan, train_test_split
 
 __all__ = [
     "MEDPAR_COVARIATES",
@@ -64,15 +64,15 @@ def load_azpro(test_fraction: float = 0.2, seed: int = 0, dtype=np.float32):
 
 def load_caravan_ard(test_fraction: float = 0.2, seed: int = 0, dtype=np.float32):
     """``ISLR/Caravan`` (5822 x 85, 6% positives) standardised with the training moments,
-    WITHOUT the intercept column of :func:`models.datasets.load_caravan` (the ARD model has its
-    own intercept). Returns ``X_train, X_test, y_train, y_test``."""
+    WITHOUT the intercept column of :func:`numpyro_fed.examples.datasets.load_caravan` (the ARD
+    model has its own intercept). Returns ``X_train, X_test, y_train, y_test``."""
     X_tr, X_te, y_tr, y_te = load_caravan(test_fraction, seed, dtype)
     return X_tr[:, 1:], X_te[:, 1:], y_tr, y_te
 
 
 # ----------------------------------------------------------------------------- Poisson-LN
 def poisson_lognormal(X, y=None, *, init_sigma: float = 0.1):
-    """Poisson-lognormal regression (MCMC-SAEM paper, Sec. 5.3; Cameron & Trivedi 2013,
+    """Poisson-lognormal regression (Gruffaz et al. 2024, Sec. 5.3; Cameron & Trivedi 2013,
     Sec. 4.2.4):
 
     .. math::
@@ -167,7 +167,7 @@ def poisson_lognormal_exact_fit(X, y, num_nodes: int = 20) -> dict:
 
 # ----------------------------------------------------------------------------- ARD
 def ard_logistic(X, y=None, *, intercept_var: float = 10.0):
-    """Logistic regression with automatic relevance determination (MCMC-SAEM paper, Sec. 5.4):
+    """Logistic regression with automatic relevance determination (Gruffaz et al. 2024, Sec. 5.4):
 
     .. math::
 
@@ -177,8 +177,8 @@ def ard_logistic(X, y=None, *, intercept_var: float = 10.0):
     The ``param`` site is ``tau`` :math:`= \\gamma^{-1/2}` ``(d,)``, the prior standard
     deviations (positive): the maximum-likelihood estimate is invariant to this
     reparameterisation, and with it SAEM recognises the closed-form Gaussian M-step
-    :math:`\\hat\\tau_j^2 = s_j` (SA average of :math:`\\beta_j^2`), i.e. the paper's
-    :math:`\\hat\\gamma_j = 1/s_j`. :math:`\\theta_0 = 1` (:math:`\\gamma = 1`) as in the paper.
+    :math:`\\hat\\tau_j^2 = s_j` (SA average of :math:`\\beta_j^2`), i.e. Gruffaz et al.'s
+    :math:`\\hat\\gamma_j = 1/s_j`. :math:`\\theta_0 = 1` (:math:`\\gamma = 1`) as in Gruffaz et al.
     """
     d = X.shape[1]
     tau = numpyro.param("tau", jnp.ones(d), constraint=constraints.positive)
@@ -189,8 +189,9 @@ def ard_logistic(X, y=None, *, intercept_var: float = 10.0):
 
 
 def ard_preconditioner(delta: float = 2e-16):
-    """The paper's diagonal preconditioner (Sec. 5.4): :math:`P_{jj} = 1/(\\gamma_j^2 + 0.01) +
-    \\delta` for :math:`\\beta` and 1 for :math:`\\beta_0`, with :math:`\\gamma = \\tau^{-2}`.
+    """The diagonal preconditioner of Gruffaz et al. 2024 (Sec. 5.4): :math:`P_{jj} =
+    1/(\\gamma_j^2 + 0.01) + \\delta` for :math:`\\beta` and 1 for :math:`\\beta_0`, with
+    :math:`\\gamma = \\tau^{-2}`.
     Returns ``P(theta) -> dict`` for ``SAEM(..., preconditioner=)``."""
 
     def P(theta):

@@ -98,7 +98,7 @@ def synthetic_fedprox(
     Client ``k`` has its own model ``W_k ~ N(u_k, 1)``, ``b_k ~ N(u_k, 1)``, ``u_k ~ N(0,
     alpha)``, and inputs ``x ~ N(v_k, Sigma)`` with ``v_k ~ N(B_k, 1)``, ``B_k ~ N(0, beta)``
     and ``Sigma = diag(j^{-1.2})``; labels are ``argmax softmax(W_k x + b_k)``. With
-    ``num_classes=2`` this is the binary version used by the QLSD paper (Fig. 1) with
+    ``num_classes=2`` this is the binary version used by Vono et al. 2022 (Fig. 1) with
     ``dim=2``. Sizes default to FedProx's power law (lognormal). Returns a list of
     ``(X_k, y_k)``.
     """
