@@ -34,6 +34,7 @@ from numpyro.infer.mcmc import MCMCKernel
 from numpyro.infer.util import initialize_model
 from numpyro.util import identity
 
+from numpyro_fed._validation import check_bool, check_int
 from numpyro_fed.algorithms.langevin import mala_log_ratio
 from numpyro_fed.bits import (
     BitCounter,
@@ -597,18 +598,16 @@ class FederatedKernel(MCMCKernel):
         track_potential: bool = False,
     ) -> None:
         self._step_size = check_step_size(step_size)
-        if not isinstance(track_potential, bool):
-            raise TypeError(f"`track_potential` must be True or False, got {track_potential!r}.")
-        self.track_potential = track_potential
+        self.track_potential = check_bool("track_potential", track_potential)
         if potential is None:
             potential = FederatedPotential(
                 model, partition, prior=prior, likelihood_weight=likelihood_weight
             )
         self.potential = potential
         self.partition = partition
+        batch_size = check_int("batch_size", batch_size, minimum=1, allow_none=True,
+                               hint=" Use None for full-batch gradients.")
         if batch_size is not None:
-            if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-                raise TypeError(f"`batch_size` must be an int or None, got {batch_size!r}.")
             partition.check_batch_size(batch_size)
         self.batch_size = batch_size
         self.compressor = get_compressor(compressor)

@@ -56,6 +56,7 @@ import numpy as np
 from jax import lax, random
 from numpyro.infer.initialization import init_to_uniform
 
+from numpyro_fed._validation import check_int
 from numpyro_fed.compressors import Compressor, identity, quantize
 from numpyro_fed.distributed.participation import (
     check_participation,
@@ -392,11 +393,7 @@ class QLSD(FederatedKernel):
                 stacklevel=2,
             )
         self.memory_rate = alpha
-        if isinstance(refresh_every, bool) or not isinstance(refresh_every, int | np.integer):
-            raise TypeError(f"`refresh_every` must be a positive int, got {refresh_every!r}.")
-        if refresh_every < 1:
-            raise ValueError(f"`refresh_every` must be >= 1, got {refresh_every}.")
-        self.refresh_every = int(refresh_every)
+        self.refresh_every = check_int("refresh_every", refresh_every, minimum=1)
         if oracle is not None and self.variant != "#":
             raise ValueError("A custom `oracle` is only used by variant='#' (QLSD, Alg. 1).")
         self._custom_oracle = oracle

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax, random
 
+from numpyro_fed.algorithms.langevin import langevin_move, mala_log_ratio
 from numpyro_fed.saem.model import (
     ModelInfo,
     SubjectLayout,
@@ -256,8 +257,6 @@ def annealed_importance_sampling(
     :param sample_prior: ``sample_prior(key) -> z`` exact draw from the prior.
     :return: the estimate :math:`\\log \\frac1N\\sum_j w_j`.
     """
-    from numpyro_fed.algorithms.langevin import langevin_move, mala_log_ratio
-
     betas = (jnp.arange(num_steps + 1) / num_steps) ** 2
     k0, k1 = random.split(rng_key)
     z0 = jax.vmap(sample_prior)(random.split(k0, num_particles))
