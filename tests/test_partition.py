@@ -368,7 +368,7 @@ def test_error_bad_key():
 def test_error_power_law_min_size():
     with pytest.raises(ValueError, match="min_size=4 with num_clients=3.*fewer clients"):
         ClientPartition.power_law({"x": np.arange(10.0)}, 3, key=random.key(0), min_size=4)
-    with pytest.raises(ValueError, match="exponent must be"):
+    with pytest.raises(ValueError, match="`exponent` must be finite and >= 0"):
         ClientPartition.power_law({"x": np.arange(10.0)}, 3, key=random.key(0), exponent=-1.0)
 
 
