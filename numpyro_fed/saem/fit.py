@@ -33,7 +33,7 @@ from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.initialization import init_to_median
 from numpyro.infer.mcmc import MCMCKernel
 
-from numpyro_fed._validation import check_int, check_positive_float
+from numpyro_fed._validation import check_float, check_int, check_positive_float
 from numpyro_fed.kernels.base import DivergenceError
 from numpyro_fed.saem.estep import LangevinEStep, NumPyroEStep, flat_preconditioner
 from numpyro_fed.saem.model import (
@@ -277,7 +277,7 @@ class SAEM:
         self._num_chains = check_int("num_chains", num_chains, minimum=1, allow_none=True)
         self.num_draws = check_int("num_draws", num_draws, minimum=1)
         self.init_strategy = init_strategy
-        self.init_jitter = float(init_jitter)
+        self.init_jitter = check_float("init_jitter", init_jitter, low=0.0)
         self.schedule = Schedule() if schedule is None else schedule
         if not isinstance(self.schedule, Schedule):
             raise TypeError("`schedule` must be a numpyro_fed.saem.Schedule.")
