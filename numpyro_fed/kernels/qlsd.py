@@ -56,7 +56,7 @@ import numpy as np
 from jax import lax, random
 from numpyro.infer.initialization import init_to_uniform
 
-from numpyro_fed._validation import check_int
+from numpyro_fed._validation import check_float, check_int
 from numpyro_fed.compressors import Compressor, identity, quantize
 from numpyro_fed.distributed.participation import (
     check_participation,
@@ -376,15 +376,10 @@ class QLSD(FederatedKernel):
         bound = 1.0 / (self.omega + 1.0)
         if memory_rate is None:
             memory_rate = bound if self.variant == "++" else 0.0
-        try:
-            alpha = float(memory_rate)
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"`memory_rate` must be a number, got {memory_rate!r}.") from err
-        if not (0.0 <= alpha <= 1.0):
-            raise ValueError(
-                f"`memory_rate` must lie in [0, 1/(omega+1)] = [0, {bound:.4g}] for "
-                f"{comp.name} in dimension {d}; got {memory_rate!r} (0 switches memory off)."
-            )
+        alpha = check_float(
+            "memory_rate", memory_rate, low=0.0, high=1.0,
+            what=f" (QLSD Thm. 3 asks for at most 1/(omega+1) = {bound:.4g} for {comp.name} "
+                 f"in dimension {d}; 0 switches memory off)")
         if alpha > bound * (1 + 1e-9):
             warnings.warn(
                 f"`memory_rate`={alpha:.4g} exceeds the theoretical bound 1/(omega+1) = "
