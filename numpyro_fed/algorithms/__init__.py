@@ -7,6 +7,7 @@ from numpyro_fed.algorithms.langevin import (
     langevin_noise,
     langevin_proposal,
     mala_log_ratio,
+    mala_sq_residuals,
 )
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "langevin_noise",
     "langevin_proposal",
     "mala_log_ratio",
+    "mala_sq_residuals",
 ]

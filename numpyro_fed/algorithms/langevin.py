@@ -25,6 +25,7 @@ __all__ = [
     "langevin_noise",
     "langevin_proposal",
     "mala_log_ratio",
+    "mala_sq_residuals",
 ]
 
 
@@ -103,3 +104,14 @@ def mala_log_ratio(u_x, u_y, fwd_sq, bwd_sq, step_size):
     """
     lr = u_x - u_y + (fwd_sq - bwd_sq) / (4.0 * step_size)
     return jnp.where(jnp.isnan(lr), -jnp.inf, lr)
+
+
+def mala_sq_residuals(x, y, grad_x, grad_y, step_size):
+    """Squared norms of the forward and backward residuals of a plain (:math:`L = I`) MALA
+    proposal :math:`y` from :math:`x`, the ``fwd_sq``/``bwd_sq`` of :func:`mala_log_ratio`:
+    :math:`\\lVert y - x + \\gamma\\nabla U(x)\\rVert^2` and
+    :math:`\\lVert x - y + \\gamma\\nabla U(y)\\rVert^2` (``grad_*`` are gradients of the
+    potential :math:`U`, not of the log-density)."""
+    fwd = y - x + step_size * grad_x
+    bwd = x - y + step_size * grad_y
+    return jnp.sum(fwd**2), jnp.sum(bwd**2)

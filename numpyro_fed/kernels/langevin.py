@@ -35,7 +35,7 @@ from numpyro.infer.util import initialize_model
 from numpyro.util import identity
 
 from numpyro_fed._validation import check_bool, check_int
-from numpyro_fed.algorithms.langevin import mala_log_ratio
+from numpyro_fed.algorithms.langevin import mala_log_ratio, mala_sq_residuals
 from numpyro_fed.bits import (
     BitCounter,
     bits_add,
@@ -430,10 +430,8 @@ class MALA(_ModelLangevinBase):
             y = langevin_move(k_noise, x, s.z_grad, gamma)
             u_y, g_y = jax.value_and_grad(pe)(y)
             # log q(x | y) - log q(y | x) for q(b | a) = N(a - gamma grad(a), 2 gamma I)
-            fwd = y - x + gamma * s.z_grad
-            bwd = x - y + gamma * g_y
-            log_ratio = mala_log_ratio(s.potential_energy, u_y, jnp.sum(fwd**2),
-                                       jnp.sum(bwd**2), gamma)
+            fwd_sq, bwd_sq = mala_sq_residuals(x, y, s.z_grad, g_y, gamma)
+            log_ratio = mala_log_ratio(s.potential_energy, u_y, fwd_sq, bwd_sq, gamma)
             accept_prob = jnp.clip(jnp.exp(jnp.minimum(log_ratio, 0.0)), 0.0, 1.0)
             accept = random.uniform(k_acc) < accept_prob
             x_new = jnp.where(accept, y, x)
