@@ -17,6 +17,8 @@ from pathlib import Path
 
 import jax
 
+from numpyro_fed._validation import check_float
+
 __all__ = ["default_cache_dir", "enable_compilation_cache"]
 
 
@@ -46,8 +48,8 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
         (JAX's default is 1 s, which leaves out most of the programs of a SAEM fit).
     :returns: the cache folder.
     """
-    if min_compile_time_s < 0:
-        raise ValueError(f"min_compile_time_s must be >= 0, got {min_compile_time_s}.")
+    min_compile_time_s = check_float("min_compile_time_s", min_compile_time_s, low=0.0,
+                                     what=" (seconds)")
     from jax.experimental.compilation_cache import compilation_cache as _cc
 
     folder = Path(path).expanduser() if path is not None else default_cache_dir()

@@ -72,6 +72,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from numpyro_fed._validation import check_int as _check_int
 from numpyro_fed.bits import INT32_LIMIT, bit_count, bits_add, sum_small
 
 __all__ = [
@@ -310,17 +311,6 @@ def elias_gamma_length(n: jax.Array) -> jax.Array:
     return jnp.where(n >= 1, 2 * floor_log2 + 1, 0).astype(jnp.int32)
 
 
-def _check_int(arg: str, value: object, *, minimum: int, hint: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(
-            f"`{arg}` must be a Python integer >= {minimum}, got {value!r} "
-            f"of type {type(value).__name__}.{hint}"
-        )
-    if value < minimum:
-        raise ValueError(f"`{arg}` must be an integer >= {minimum}, got {value}.{hint}")
-    return int(value)
-
-
 def _check_vector(v: jax.Array, compressor: str) -> jax.Array:
     v = jnp.asarray(v)
     if v.ndim != 1:
@@ -429,6 +419,7 @@ def quantize(
         :math:`s = 2^b`.  Exactly one of ``levels`` and ``bits`` must be given.
     :param float_bits: Bits used to transmit the norm :math:`\\|v\\|`.
     :returns: The quantisation :class:`Compressor`, named ``"quantize(s=...)"``.
+    :raises TypeError: If ``levels``/``bits``/``float_bits`` is not an int.
     :raises ValueError: If both or neither of ``levels``/``bits`` are given, or if the
         resulting ``s`` is not an integer in ``[1, 2**24]``.
     """
@@ -514,7 +505,8 @@ def top_k(k: int, float_bits: int = 32) -> Compressor:
     :param k: Number of coordinates kept, ``1 <= k <= d``.
     :param float_bits: Bits per transmitted value.
     :returns: The top-k :class:`Compressor`, named ``"top_k(k=...)"``.
-    :raises ValueError: If ``k`` is not an integer ``>= 1`` (at construction) or if
+    :raises TypeError: If ``k`` is not an int (at construction).
+    :raises ValueError: If ``k < 1`` (at construction) or if
         ``k > d`` (when applied to a message of dimension ``d``; shapes are static, so
         this is raised at trace time under :func:`jax.jit`).
     """
@@ -557,7 +549,8 @@ def rand_k(k: int, float_bits: int = 32) -> Compressor:
     :param k: Number of coordinates kept, ``1 <= k <= d``.
     :param float_bits: Bits per transmitted value.
     :returns: The rand-k :class:`Compressor`, named ``"rand_k(k=...)"``.
-    :raises ValueError: If ``k`` is not an integer ``>= 1`` (at construction) or if
+    :raises TypeError: If ``k`` is not an int (at construction).
+    :raises ValueError: If ``k < 1`` (at construction) or if
         ``k > d`` (when applied to a message of dimension ``d``).
     """
     k = _check_int("k", k, minimum=1, hint=" Use e.g. rand_k(k=3).")

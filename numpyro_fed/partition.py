@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from numpyro_fed._validation import check_float, check_int, check_positive_float
+
 __all__ = ["ClientPartition"]
 
 
@@ -137,11 +139,7 @@ def _as_pooled(data: Mapping[str, ArrayLike], where: str = "data") -> tuple[dict
 
 def _check_num_clients(num_clients: Any, n: int) -> int:
     """Validate ``1 <= num_clients <= n``."""
-    if isinstance(num_clients, bool) or not isinstance(num_clients, int | np.integer):
-        raise ValueError(f"num_clients must be an int, got {num_clients!r}")
-    num_clients = int(num_clients)
-    if num_clients < 1:
-        raise ValueError(f"num_clients must be >= 1, got {num_clients}")
+    num_clients = check_int("num_clients", num_clients, minimum=1)
     if num_clients > n:
         raise ValueError(
             f"num_clients={num_clients} exceeds the number of data points N={n}; every client "
@@ -526,17 +524,13 @@ class ClientPartition:
         :param batch_size: ``None`` (full batch) or an int with ``1 <= batch_size <= min(sizes)``.
         :raises ValueError: naming the smallest client and how to fix it.
         """
+        batch_size = check_int("batch_size", batch_size, minimum=1, allow_none=True,
+                               hint=" Use None for full-batch gradients.")
         if batch_size is None:
             return
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer):
-            raise ValueError(f"batch_size must be None or an int, got {batch_size!r}")
         s = self.sizes_np
         i = int(np.argmin(s))
         smallest = int(s[i])
-        if batch_size < 1:
-            raise ValueError(
-                f"batch_size must be >= 1 (or None for full-batch gradients), got {batch_size}"
-            )
         if batch_size > smallest:
             raise ValueError(
                 f"batch_size={batch_size} exceeds the size of the smallest client: client {i} "
@@ -743,23 +737,19 @@ class ClientPartition:
         arrays, n = _as_pooled(data)
         b = _check_num_clients(num_clients, n)
         lab = _check_labels(labels, n, "labels")
-        conc = float(concentration)
-        if not conc > 0 or not np.isfinite(conc):
-            raise ValueError(f"concentration must be a finite number > 0, got {concentration}")
-        if int(min_size) < 1:
-            raise ValueError(f"min_size must be >= 1, got {min_size}")
-        if int(min_size) * b > n:
+        conc = check_positive_float("concentration", concentration)
+        min_size = check_int("min_size", min_size, minimum=1)
+        max_tries = check_int("max_tries", max_tries, minimum=1)
+        if min_size * b > n:
             raise ValueError(
-                f"min_size={min_size} with num_clients={b} needs at least {int(min_size) * b} "
+                f"min_size={min_size} with num_clients={b} needs at least {min_size * b} "
                 f"rows but N={n}; use fewer clients or a smaller min_size"
             )
-        if int(max_tries) < 1:
-            raise ValueError(f"max_tries must be >= 1, got {max_tries}")
         rng = _rng_from_key(key)
         _, cls_of_row = np.unique(lab, return_inverse=True)
         class_rows = [np.flatnonzero(cls_of_row == c) for c in range(cls_of_row.max() + 1)]
         smallest = 0
-        for _ in range(int(max_tries)):
+        for _ in range(max_tries):
             assigned: list[list[np.ndarray]] = [[] for _ in range(b)]
             for rows in class_rows:
                 rows = rng.permutation(rows)
@@ -772,7 +762,7 @@ class ClientPartition:
                     assigned[i].append(part)
             indices = [np.sort(np.concatenate(parts)) for parts in assigned]
             smallest = min(len(ix) for ix in indices)
-            if smallest >= int(min_size):
+            if smallest >= min_size:
                 return cls._from_indices(arrays, indices, shared)
         raise ValueError(
             f"dirichlet: could not give every client at least min_size={min_size} rows in "
@@ -832,12 +822,8 @@ class ClientPartition:
         """
         arrays, n = _as_pooled(data)
         b = _check_num_clients(num_clients, n)
-        exponent = float(exponent)
-        if not exponent >= 0 or not np.isfinite(exponent):
-            raise ValueError(f"exponent must be a finite number >= 0, got {exponent}")
-        min_size = int(min_size)
-        if min_size < 1:
-            raise ValueError(f"min_size must be >= 1, got {min_size}")
+        exponent = check_float("exponent", exponent, low=0.0)
+        min_size = check_int("min_size", min_size, minimum=1)
         rest = n - b * min_size
         if rest < 0:
             raise ValueError(

@@ -267,23 +267,23 @@ def test_nominal_bits_and_constants():
 
 
 @pytest.mark.parametrize(
-    ("factory", "match"),
+    ("factory", "exc", "match"),
     [
-        (lambda: quantize(levels=0), "levels"),
-        (lambda: quantize(levels=2.5), "levels"),
-        (lambda: quantize(levels=2, bits=3), "exactly one of `levels`"),
-        (lambda: quantize(), "exactly one of `levels`"),
-        (lambda: quantize(bits=-1), "bits"),
-        (lambda: quantize(bits=40), "bits"),
-        (lambda: top_k(0), "`k`"),
-        (lambda: top_k(True), "`k`"),
-        (lambda: rand_k(-1), "`k`"),
-        (lambda: identity(float_bits=0), "float_bits"),
-        (lambda: scaled(top_k(1)), r"compressor.*top_k\(k=1\)"),
+        (lambda: quantize(levels=0), ValueError, "levels"),
+        (lambda: quantize(levels=2.5), TypeError, "`levels` must be an int >= 1"),
+        (lambda: quantize(levels=2, bits=3), ValueError, "exactly one of `levels`"),
+        (lambda: quantize(), ValueError, "exactly one of `levels`"),
+        (lambda: quantize(bits=-1), ValueError, "bits"),
+        (lambda: quantize(bits=40), ValueError, "bits"),
+        (lambda: top_k(0), ValueError, "`k`"),
+        (lambda: top_k(True), TypeError, "`k` must be an int >= 1, got True of type bool"),
+        (lambda: rand_k(-1), ValueError, "`k`"),
+        (lambda: identity(float_bits=0), ValueError, "float_bits"),
+        (lambda: scaled(top_k(1)), ValueError, r"compressor.*top_k\(k=1\)"),
     ],
 )
-def test_invalid_parameters(factory, match):
-    with pytest.raises(ValueError, match=match):
+def test_invalid_parameters(factory, exc, match):
+    with pytest.raises(exc, match=match):
         factory()
 
 

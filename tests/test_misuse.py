@@ -88,6 +88,7 @@ COMMON = [
     ({"step_size": float("nan")}, ValueError, "step_size"),
     ({"step_size": float("inf")}, ValueError, "step_size"),
     ({"step_size": "big"}, TypeError, "step_size"),
+    ({"step_size": True}, TypeError, "step_size"),  # not silently 1.0
     ({"batch_size": 0}, ValueError, "batch_size"),
     ({"batch_size": -3}, ValueError, "batch_size"),
     ({"batch_size": 13}, ValueError, "batch_size"),  # the smallest client holds 12 rows
@@ -108,6 +109,12 @@ def test_every_kernel_names_a_bad_argument(name, bad, exc, text):
 def test_every_kernel_names_a_bad_participation(name, p):
     with pytest.raises(ValueError, match="participation"):
         build(name, participation=p)
+
+
+@pytest.mark.parametrize("name", sorted(PARTICIPATION))
+def test_every_kernel_refuses_a_bool_participation(name):
+    with pytest.raises(TypeError, match="`participation` must be a number"):
+        build(name, participation=True)  # not silently p = 1.0
 
 
 SPECIFIC = [
@@ -141,7 +148,7 @@ def test_kernel_specific_arguments_are_named(name, bad, exc, text):
 @pytest.mark.parametrize("make, exc, text", [
     (lambda: compressors.quantize(bits=-1), ValueError, "bits"),
     (lambda: compressors.quantize(levels=0), ValueError, "levels"),
-    (lambda: compressors.quantize(bits=2.5), ValueError, "bits"),
+    (lambda: compressors.quantize(bits=2.5), TypeError, "bits"),
     (lambda: compressors.top_k(0), ValueError, "k"),
     (lambda: compressors.top_k(-1), ValueError, "k"),
     (lambda: compressors.rand_k(0), ValueError, "k"),

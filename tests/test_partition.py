@@ -250,8 +250,11 @@ def test_check_batch_size(pooled_data):
     p.check_batch_size(10)
     with pytest.raises(ValueError, match=r"batch_size=11.*client 0.*10 rows.*batch_size <= 10"):
         p.check_batch_size(11)
-    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+    with pytest.raises(ValueError, match=r"`batch_size` must be an int >= 1 or None, got 0\. "
+                                         r"Use None for full-batch gradients"):
         p.check_batch_size(0)
+    with pytest.raises(TypeError, match=r"`batch_size` must be an int >= 1 or None, got 2\.5"):
+        p.check_batch_size(2.5)
 
 
 def test_check_model(pooled_data):
@@ -320,8 +323,10 @@ def test_error_mismatched_leading_axes():
 )
 def test_error_num_clients(build):
     data = {"x": np.arange(10.0)}
-    with pytest.raises(ValueError, match="num_clients must be >= 1"):
+    with pytest.raises(ValueError, match="`num_clients` must be an int >= 1, got 0"):
         build(data, 0)
+    with pytest.raises(TypeError, match="`num_clients` must be an int >= 1, got 2.0"):
+        build(data, 2.0)
     with pytest.raises(ValueError, match="num_clients=11 exceeds the number of data points N=10"):
         build(data, 11)
 
@@ -340,7 +345,7 @@ def test_error_labels_and_concentration():
     with pytest.raises(ValueError, match=r"groups must be a 1-D array.*length N=10"):
         ClientPartition.by_group(data, np.zeros(11))
     for bad in (0.0, -1.0):
-        with pytest.raises(ValueError, match="concentration must be a finite number > 0"):
+        with pytest.raises(ValueError, match="`concentration` must be finite and > 0"):
             ClientPartition.dirichlet(
                 data, 2, labels=np.zeros(10), concentration=bad, key=random.key(0)
             )
@@ -363,7 +368,7 @@ def test_error_bad_key():
 def test_error_power_law_min_size():
     with pytest.raises(ValueError, match="min_size=4 with num_clients=3.*fewer clients"):
         ClientPartition.power_law({"x": np.arange(10.0)}, 3, key=random.key(0), min_size=4)
-    with pytest.raises(ValueError, match="exponent must be"):
+    with pytest.raises(ValueError, match="`exponent` must be finite and >= 0"):
         ClientPartition.power_law({"x": np.arange(10.0)}, 3, key=random.key(0), exponent=-1.0)
 
 

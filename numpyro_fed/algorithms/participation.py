@@ -46,6 +46,8 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
+from numpyro_fed._validation import check_probability
+
 __all__ = [
     "EMPTY_ROUND_WARNING",
     "PARTICIPATION_SALT",
@@ -64,20 +66,13 @@ PARTICIPATION_SALT = 0x5A4D
 def check_participation(participation: float) -> float:
     """Validate a participation probability ``0 < p <= 1``.
 
+    :raises TypeError: if it is not a number.
     :raises ValueError: naming the argument and the admissible range.
     """
-    try:
-        p = float(participation)
-    except (TypeError, ValueError) as err:
-        raise TypeError(
-            f"`participation` must be a probability in (0, 1], got {participation!r}."
-        ) from err
-    if not 0.0 < p <= 1.0:
-        raise ValueError(
-            f"`participation` must lie in (0, 1] (the probability that a client takes part in "
-            f"a round; 1 = every client every round), got {participation!r}."
-        )
-    return p
+    return check_probability(
+        "participation", participation,
+        what=" (the probability that a client takes part in a round; 1 = every client every "
+             "round)")
 
 
 #: Expected fraction of empty rounds, :math:`(1-p)^b`, from which a warning is given.

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
+from numpyro_fed._validation import check_int
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential, batch_indices
 
@@ -107,8 +108,7 @@ class ClientProblem:
         max_size: int | None = None,
         index: int = 0,
     ) -> None:
-        if isinstance(index, bool) or not isinstance(index, int | np.integer) or index < 0:
-            raise ValueError(f"`index` must be a non-negative int, got {index!r}.")
+        index = check_int("index", index, minimum=0)
         part = ClientPartition.from_clients([dict(rows)], shared=shared)
         self.potential = pot = FederatedPotential(model, part, prior="split", check=False)
         self.rows = {k: v[0] for k, v in part.data.items()}

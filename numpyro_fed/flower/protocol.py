@@ -69,6 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
+from numpyro_fed._validation import check_float, check_int, check_positive_float
 from numpyro_fed.algorithms.participation import (
     check_participation,
     participation_mask,
@@ -128,28 +129,6 @@ def divergence_message(spec: FlowerSpec, iteration: int, detail: str = "") -> st
     msg = _DIVERGED.format(kernel=kernel_display_name(spec), step_size=spec.step_size)
     msg = msg.format(iteration=iteration, chain="")
     return f"{msg} {detail}".rstrip()
-
-
-def _int_arg(value: Any, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"`{name}` must be an int >= {low}, got {value!r}.")
-    if value < low:
-        raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
-    return int(value)
-
-
-def _float_arg(value: Any, name: str, *, low: float, low_open: bool = True,
-               high: float = math.inf, what: str = "") -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError) as err:
-        raise TypeError(f"`{name}` must be a number{what}, got {value!r}.") from err
-    below = v <= low if low_open else v < low
-    if not math.isfinite(v) or below or v > high:
-        rng = f"{'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else (
-            f"> {low:g}" if low_open else f">= {low:g}")
-        raise ValueError(f"`{name}` must be finite and {rng}{what}, got {value!r}.")
-    return v
 
 
 def load_model(ref: str) -> Callable:
@@ -245,21 +224,22 @@ class FlowerSpec:
             )
         if self.algorithm == "qlsd":  # any spelling the kernels accept, stored canonical
             self.variant = canonical_variant("qlsd", self.variant)
-        self.num_clients = _int_arg(self.num_clients, "num_clients", 1)
-        self.num_samples = _int_arg(self.num_samples, "num_samples", 1)
+        self.num_clients = check_int("num_clients", self.num_clients, minimum=1)
+        self.num_samples = check_int("num_samples", self.num_samples, minimum=1)
         self.step_size = check_step_size(self.step_size)
-        self.batch_size = _int_arg(self.batch_size, "batch_size", 0)  # 0: exact gradients
-        self.refresh_every = _int_arg(self.refresh_every, "refresh_every", 1)
-        self.theta_star_maxiter = _int_arg(self.theta_star_maxiter, "theta_star_maxiter", 0)
-        self.seed = _int_arg(self.seed, "seed", 0)
-        self.memory_rate = _float_arg(self.memory_rate, "memory_rate", low=0.0, low_open=False,
-                                      high=1.0, what=" (0 switches QLSD's memory off)")
-        self.likelihood_weight = _float_arg(self.likelihood_weight, "likelihood_weight",
-                                            low=0.0)
-        self.round_timeout = _float_arg(self.round_timeout, "round_timeout", low=0.0,
-                                        what=" (seconds)")
-        self.theta_star_gtol = _float_arg(self.theta_star_gtol, "theta_star_gtol", low=0.0)
-        self.theta_star_lr = _float_arg(self.theta_star_lr, "theta_star_lr", low=0.0)
+        self.batch_size = check_int("batch_size", self.batch_size, minimum=0)  # 0: exact
+        self.refresh_every = check_int("refresh_every", self.refresh_every, minimum=1)
+        self.theta_star_maxiter = check_int("theta_star_maxiter", self.theta_star_maxiter,
+                                            minimum=0)
+        self.seed = check_int("seed", self.seed, minimum=0)
+        self.memory_rate = check_float("memory_rate", self.memory_rate, low=0.0, high=1.0,
+                                       what=" (0 switches QLSD's memory off)")
+        self.likelihood_weight = check_positive_float("likelihood_weight",
+                                                      self.likelihood_weight)
+        self.round_timeout = check_positive_float("round_timeout", self.round_timeout,
+                                                  what=" (seconds)")
+        self.theta_star_gtol = check_positive_float("theta_star_gtol", self.theta_star_gtol)
+        self.theta_star_lr = check_positive_float("theta_star_lr", self.theta_star_lr)
         for name in ("compressor", "downlink"):
             value = getattr(self, name)
             if not isinstance(value, Compressor | CompressorSpec) and (

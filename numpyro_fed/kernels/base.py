@@ -18,6 +18,7 @@ import numpy as np
 from jax.core import Tracer
 from numpyro.util import is_prng_key
 
+from numpyro_fed._validation import check_positive_float
 from numpyro_fed.algorithms.langevin import langevin_move  # noqa: F401  (re-exported)
 
 __all__ = [
@@ -83,14 +84,10 @@ def check_compressor_dim(compressor, dim: int, dtype, arg: str) -> None:
 
 
 def check_step_size(step_size, name: str = "step_size") -> float:
-    """Validate a positive, finite step size."""
-    try:
-        value = float(step_size)
-    except (TypeError, ValueError) as err:
-        raise TypeError(f"`{name}` must be a positive number, got {step_size!r}.") from err
-    if not np.isfinite(value) or value <= 0:
-        raise ValueError(f"`{name}` must be positive and finite, got {step_size!r}.")
-    return value
+    """Validate a positive, finite step size (:func:`~numpyro_fed._validation.check_positive_float`:
+    :class:`TypeError` for a non-number, :class:`ValueError` for one that is not finite and
+    ``> 0``)."""
+    return check_positive_float(name, step_size)
 
 
 def _check_guard(first_bad: Any, message: str) -> None:

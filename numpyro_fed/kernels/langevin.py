@@ -34,7 +34,8 @@ from numpyro.infer.mcmc import MCMCKernel
 from numpyro.infer.util import initialize_model
 from numpyro.util import identity
 
-from numpyro_fed.algorithms.langevin import mala_log_ratio
+from numpyro_fed._validation import check_bool, check_int
+from numpyro_fed.algorithms.langevin import mala_log_ratio, mala_sq_residuals
 from numpyro_fed.bits import (
     BitCounter,
     bits_add,
@@ -429,10 +430,8 @@ class MALA(_ModelLangevinBase):
             y = langevin_move(k_noise, x, s.z_grad, gamma)
             u_y, g_y = jax.value_and_grad(pe)(y)
             # log q(x | y) - log q(y | x) for q(b | a) = N(a - gamma grad(a), 2 gamma I)
-            fwd = y - x + gamma * s.z_grad
-            bwd = x - y + gamma * g_y
-            log_ratio = mala_log_ratio(s.potential_energy, u_y, jnp.sum(fwd**2),
-                                       jnp.sum(bwd**2), gamma)
+            fwd_sq, bwd_sq = mala_sq_residuals(x, y, s.z_grad, g_y, gamma)
+            log_ratio = mala_log_ratio(s.potential_energy, u_y, fwd_sq, bwd_sq, gamma)
             accept_prob = jnp.clip(jnp.exp(jnp.minimum(log_ratio, 0.0)), 0.0, 1.0)
             accept = random.uniform(k_acc) < accept_prob
             x_new = jnp.where(accept, y, x)
@@ -597,18 +596,16 @@ class FederatedKernel(MCMCKernel):
         track_potential: bool = False,
     ) -> None:
         self._step_size = check_step_size(step_size)
-        if not isinstance(track_potential, bool):
-            raise TypeError(f"`track_potential` must be True or False, got {track_potential!r}.")
-        self.track_potential = track_potential
+        self.track_potential = check_bool("track_potential", track_potential)
         if potential is None:
             potential = FederatedPotential(
                 model, partition, prior=prior, likelihood_weight=likelihood_weight
             )
         self.potential = potential
         self.partition = partition
+        batch_size = check_int("batch_size", batch_size, minimum=1, allow_none=True,
+                               hint=" Use None for full-batch gradients.")
         if batch_size is not None:
-            if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-                raise TypeError(f"`batch_size` must be an int or None, got {batch_size!r}.")
             partition.check_batch_size(batch_size)
         self.batch_size = batch_size
         self.compressor = get_compressor(compressor)

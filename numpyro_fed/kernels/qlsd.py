@@ -56,6 +56,7 @@ import numpy as np
 from jax import lax, random
 from numpyro.infer.initialization import init_to_uniform
 
+from numpyro_fed._validation import check_float, check_int
 from numpyro_fed.algorithms.participation import (
     check_participation,
     participation_mask,
@@ -365,15 +366,10 @@ class QLSD(FederatedKernel):
         bound = 1.0 / (self.omega + 1.0)
         if memory_rate is None:
             memory_rate = bound if self.variant == "++" else 0.0
-        try:
-            alpha = float(memory_rate)
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"`memory_rate` must be a number, got {memory_rate!r}.") from err
-        if not (0.0 <= alpha <= 1.0):
-            raise ValueError(
-                f"`memory_rate` must lie in [0, 1/(omega+1)] = [0, {bound:.4g}] for "
-                f"{comp.name} in dimension {d}; got {memory_rate!r} (0 switches memory off)."
-            )
+        alpha = check_float(
+            "memory_rate", memory_rate, low=0.0, high=1.0,
+            what=f" (QLSD Thm. 3 asks for at most 1/(omega+1) = {bound:.4g} for {comp.name} "
+                 f"in dimension {d}; 0 switches memory off)")
         if alpha > bound * (1 + 1e-9):
             warnings.warn(
                 f"`memory_rate`={alpha:.4g} exceeds the theoretical bound 1/(omega+1) = "
@@ -382,11 +378,7 @@ class QLSD(FederatedKernel):
                 stacklevel=2,
             )
         self.memory_rate = alpha
-        if isinstance(refresh_every, bool) or not isinstance(refresh_every, int | np.integer):
-            raise TypeError(f"`refresh_every` must be a positive int, got {refresh_every!r}.")
-        if refresh_every < 1:
-            raise ValueError(f"`refresh_every` must be >= 1, got {refresh_every}.")
-        self.refresh_every = int(refresh_every)
+        self.refresh_every = check_int("refresh_every", refresh_every, minimum=1)
         if oracle is not None and self.variant != "#":
             raise ValueError("A custom `oracle` is only used by variant='#' (QLSD, Alg. 1).")
         self._custom_oracle = oracle

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
+from numpyro_fed._validation import check_int
 from numpyro_fed.nlme.data import Doses, PKDataset
 from numpyro_fed.nlme.transforms import TRANSFORMS
 
@@ -282,8 +283,7 @@ class NLMEFit:
         :return: ``{"f": (R, n, T) structural predictions, "dv": (R, n, T) simulated
             observations (uncensored), "mask": (n, T)}``.
         """
-        if num_replicates < 1:
-            raise ValueError(f"num_replicates must be >= 1, got {num_replicates}.")
+        num_replicates = check_int("num_replicates", num_replicates, minimum=1)
         pk = self.pk
         arrays = self._arrays if data is None else pk.arrays(data)
         n = arrays["obs_time"].shape[0]

@@ -59,8 +59,8 @@ from typing import Any
 import diffrax
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from numpyro_fed._validation import check_int
 from numpyro_fed.nlme.pk import DOSING_PARAMS, StructuralModel, _DoseArrays
 
 __all__ = ["ODEModel", "ode_model"]
@@ -101,10 +101,7 @@ class ODEModel(StructuralModel):
         """See :func:`ode_model` for the arguments."""
         if not callable(rhs):
             raise TypeError(f"rhs must be a function rhs(t, A, params) -> dA/dt, got {rhs!r}.")
-        if isinstance(n_states, bool) or not isinstance(n_states, int | np.integer):
-            raise TypeError(f"n_states must be a positive int, got {n_states!r}.")
-        if n_states < 1:
-            raise ValueError(f"n_states must be >= 1, got {n_states}.")
+        n_states = check_int("n_states", n_states, minimum=1)
         n = int(n_states)
         if isinstance(param_names, str) or not all(isinstance(k, str) for k in param_names):
             raise TypeError(
@@ -141,8 +138,7 @@ class ODEModel(StructuralModel):
                 )
         if not (rtol > 0 and atol > 0):
             raise ValueError(f"rtol and atol must be > 0, got rtol={rtol}, atol={atol}.")
-        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"max_steps must be a positive int, got {max_steps!r}.")
+        max_steps = check_int("max_steps", max_steps, minimum=1)
         self.rhs = rhs
         self.n_states = n
         self.observe = observe

@@ -116,6 +116,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from numpyro_fed._validation import check_int
+
 __all__ = [
     "DOSE_FIELDS",
     "DOSING_PARAMS",
@@ -575,11 +577,8 @@ class CompartmentModel(StructuralModel):
         """:param n_compartments: 1, 2 or 3 disposition compartments.
         :param absorption: ``"first_order"`` (a depot, compartment 1, with rate ``KA``) or
             ``None`` (doses go straight into the central compartment, compartment 1)."""
-        if isinstance(n_compartments, bool) or not isinstance(n_compartments, int | np.integer):
-            raise TypeError(
-                f"n_compartments must be the int 1, 2 or 3, got {n_compartments!r} "
-                f"({type(n_compartments).__name__})."
-            )
+        n_compartments = check_int("n_compartments", n_compartments, minimum=1,
+                                   hint=" Use 1, 2 or 3.")
         if n_compartments not in (1, 2, 3):
             raise ValueError(
                 f"n_compartments={n_compartments} is not supported: use 1, 2 or 3 (for other "

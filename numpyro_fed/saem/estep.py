@@ -33,7 +33,12 @@ from jax.flatten_util import ravel_pytree
 from numpyro.handlers import block, substitute
 from numpyro.infer.mcmc import MCMCKernel
 
-from numpyro_fed.algorithms.langevin import mala_log_ratio
+from numpyro_fed.algorithms.langevin import (
+    block_preconditioner,
+    langevin_noise,
+    langevin_proposal,
+    mala_log_ratio,
+)
 from numpyro_fed.saem.model import (
     ModelInfo,
     SubjectLayout,
@@ -269,24 +274,19 @@ class LangevinEStep:
             L = self.to_blocks(jnp.sqrt(p))
         u, g = vg(z)
         gb = self.to_blocks(g)
-        full = self.full
-
-        def mul_L(v):  # L v
-            return jnp.einsum("nij,cnj->cni", L, v) if full else L * v
-
-        def mul_Lt(v):  # L^T v
-            return jnp.einsum("nji,cnj->cni", L, v) if full else L * v
+        pre = block_preconditioner(L, self.full)
 
         def body(i, carry):
             zb, u, gb, log_h, acc_sum = carry
             kn, ka = random.split(random.fold_in(k_mcmc, i))
             h = jnp.exp(log_h)[None, :, None]
-            xi = random.normal(kn, zb.shape, dt)
-            yb = zb - h * mul_L(mul_Lt(gb)) + jnp.sqrt(2.0 * h) * mul_L(xi)
+            xi = langevin_noise(kn, zb)
+            yb = langevin_proposal(zb, gb, h, xi, pre)
             uy, gy = vg(self.from_blocks(yb))
             gyb = self.to_blocks(gy)
+            # whitened residuals (see mala_log_ratio): r_fwd = sqrt(2h) xi exactly
             fwd = jnp.sqrt(2.0 * h) * xi
-            bwd = -fwd + h * mul_Lt(gb + gyb)
+            bwd = -fwd + h * pre.mul_Lt(gb + gyb)
             lr = mala_log_ratio(u, uy, jnp.sum(fwd**2, -1), jnp.sum(bwd**2, -1), h[..., 0])
             acc = jnp.exp(jnp.minimum(lr, 0.0))  # (C, n)
             if self.mala:

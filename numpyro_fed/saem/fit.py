@@ -33,6 +33,7 @@ from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.initialization import init_to_median
 from numpyro.infer.mcmc import MCMCKernel
 
+from numpyro_fed._validation import check_float, check_int, check_positive_float
 from numpyro_fed.kernels.base import DivergenceError
 from numpyro_fed.saem.estep import LangevinEStep, NumPyroEStep, flat_preconditioner
 from numpyro_fed.saem.model import (
@@ -271,23 +272,12 @@ class SAEM:
         elif not (isinstance(kernel, MCMCKernel) or callable(kernel)):
             raise TypeError("`kernel` must be 'mala', 'ula', an MCMCKernel or a factory.")
         self.kernel = kernel
-        if step_size is not None and not (
-                isinstance(step_size, int | float) and math.isfinite(step_size)
-                and step_size > 0):
-            raise ValueError(f"`step_size` must be a positive number or None, got "
-                             f"{step_size!r}.")
-        self.step_size = None if step_size is None else float(step_size)
-        for name, v in (("num_mcmc_steps", num_mcmc_steps), ("num_draws", num_draws)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"`{name}` must be a positive int, got {v!r}.")
-        if num_chains is not None and (isinstance(num_chains, bool) or not isinstance(
-                num_chains, int) or num_chains < 1):
-            raise ValueError(f"`num_chains` must be a positive int or None, got {num_chains!r}.")
-        self.num_mcmc_steps = num_mcmc_steps
-        self._num_chains = num_chains
-        self.num_draws = num_draws
+        self.step_size = check_positive_float("step_size", step_size, allow_none=True)
+        self.num_mcmc_steps = check_int("num_mcmc_steps", num_mcmc_steps, minimum=1)
+        self._num_chains = check_int("num_chains", num_chains, minimum=1, allow_none=True)
+        self.num_draws = check_int("num_draws", num_draws, minimum=1)
         self.init_strategy = init_strategy
-        self.init_jitter = float(init_jitter)
+        self.init_jitter = check_float("init_jitter", init_jitter, low=0.0)
         self.schedule = Schedule() if schedule is None else schedule
         if not isinstance(self.schedule, Schedule):
             raise TypeError("`schedule` must be a numpyro_fed.saem.Schedule.")
@@ -309,12 +299,8 @@ class SAEM:
         if mh_blocks not in ("auto", "subject", "joint"):
             raise ValueError(f"mh_blocks={mh_blocks!r}: use 'auto', 'subject' or 'joint'.")
         self.mh_blocks = mh_blocks
-        if prior_proposals is not None and (
-                isinstance(prior_proposals, bool) or not isinstance(prior_proposals, int)
-                or prior_proposals < 0):
-            raise ValueError(
-                f"`prior_proposals` must be a non-negative int, got {prior_proposals!r}."
-            )
+        prior_proposals = check_int("prior_proposals", prior_proposals, minimum=0,
+                                    allow_none=True)
         if prior_proposals and not isinstance(kernel, str):
             raise ValueError("`prior_proposals` applies to the built-in 'ula'/'mala' E-steps.")
         self._prior_proposals = prior_proposals

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax, random
 
+from numpyro_fed.algorithms.langevin import langevin_move, mala_log_ratio, mala_sq_residuals
 from numpyro_fed.saem.model import (
     ModelInfo,
     SubjectLayout,
@@ -256,8 +257,6 @@ def annealed_importance_sampling(
     :param sample_prior: ``sample_prior(key) -> z`` exact draw from the prior.
     :return: the estimate :math:`\\log \\frac1N\\sum_j w_j`.
     """
-    from numpyro_fed.algorithms.langevin import langevin_move, mala_log_ratio
-
     betas = (jnp.arange(num_steps + 1) / num_steps) ** 2
     k0, k1 = random.split(rng_key)
     z0 = jax.vmap(sample_prior)(random.split(k0, num_particles))
@@ -274,8 +273,8 @@ def annealed_importance_sampling(
                 f, g = jax.value_and_grad(lp)(zz, b)
                 y = langevin_move(kn, zz, -g, step_size)
                 fy, gy = jax.value_and_grad(lp)(y, b)
-                fwd = jnp.sum((y - zz - step_size * g) ** 2)
-                bwd = jnp.sum((zz - y - step_size * gy) ** 2)
+                # g, gy: gradients of the log-density, -grad U
+                fwd, bwd = mala_sq_residuals(zz, y, -g, -gy, step_size)
                 lr = mala_log_ratio(-f, -fy, fwd, bwd, step_size)
                 ok = jnp.log(random.uniform(ku)) < lr
                 return jnp.where(ok, y, zz), None

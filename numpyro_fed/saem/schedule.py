@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from numpyro_fed._validation import check_int
+
 __all__ = ["Schedule"]
 
 
@@ -84,8 +86,7 @@ class Schedule:
             v = getattr(self, name)
             if v is None and name == "num_annealing":
                 continue
-            if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 0:
-                raise ValueError(f"Schedule.{name} must be a non-negative int, got {v!r}.")
+            check_int(f"Schedule.{name}", v, minimum=0)
         if self.num_iters < 1:
             raise ValueError("Schedule.num_iters must be at least 1.")
         if self.gammas is None and self.num_exploration >= self.num_iters:
