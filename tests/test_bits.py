@@ -246,14 +246,16 @@ def _run(kern, n=6, chains=1):
     return mcmc
 
 
-# three cases cover the three kinds of sums (participants x static length, a data-dependent
-# quantised length, a custom compressor's two-word length); the others run with -m slow
+# two cases cover a data-dependent quantised length with participation-free sums and a custom
+# compressor's two-word length (participants x static length: test_count_times_static_length
+# and, under -m slow, the QLSD++ / LSD / D-ELF cases); the others run with -m slow
 _SLOW = pytest.mark.slow
 
 @pytest.mark.parametrize("name", [
-    "QLSD++ p=0.6", "B-ELF scaled(quantize)", "custom BitCounter",
-    *(pytest.param(n, marks=_SLOW) for n in ("LMC", "QLSD#", "LSD p=0.6", "D-ELF top-2 p=0.5",
-                                             "P-ELF top-2", "custom int32"))])
+    "B-ELF scaled(quantize)", "custom BitCounter",
+    *(pytest.param(n, marks=_SLOW) for n in ("QLSD++ p=0.6", "LMC", "QLSD#", "LSD p=0.6",
+                                             "D-ELF top-2 p=0.5", "P-ELF top-2",
+                                             "custom int32"))])
 def test_two_word_paths_count_what_the_int32_paths_count(monkeypatch, small_part, name):
     """Every kernel counts the same bits (and draws the same chain) whether its sums run in
     int32 or in two words; the two-word path is forced by lowering the int32 limit."""
