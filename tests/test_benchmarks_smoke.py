@@ -25,6 +25,9 @@ def run_all():
     return mod
 
 
+# slow (47 s on the CI machine): benchmarks are separate from tests; `make test-slow` keeps
+# `make bench` runnable
+@pytest.mark.slow
 def test_run_all_smoke(run_all, tmp_path):
     # saem_defaults: smoke-tested in test_saem_defaults.py, where the default fit it times is
     # already compiled

@@ -34,6 +34,9 @@ MODEL = "numpyro_fed.examples:logistic_regression"  # the Flower model spec (``m
 B, STEPS = 2, 3
 
 
+# slow (58 s on the CI machine, real Flower processes over TLS): `make test-slow`; the protocol
+# itself is checked bit for bit in process over LoopbackGrid (tests/test_flower.py)
+@pytest.mark.slow
 def test_processes_tls_auth_match_inprocess_qlsdpp(tmp_path):
     rng = np.random.default_rng(0)
     n, d = 120, 4
