@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--clients", type=int, default=20)
     p.add_argument("--rows", type=int, default=200, help="rows per client")
     p.add_argument("--dim", type=int, default=50)
-    p.add_argument("--batch", type=int, default=20)
+    p.add_argument("--batch", type=int, default=20,
+                   help="minibatch n of LMC and QLSD (0: full local gradients)")
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--chains", type=int, nargs="+", default=[1, 4])
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> str:
     args = p.parse_args(argv)
     X, y, part = make_data(args.clients, args.rows, args.dim)
     pooled = {"X": jnp.asarray(X), "y": jnp.asarray(y)}
-    kernels = make_kernels(part, args.batch)
+    kernels = make_kernels(part, args.batch or None)
     if args.kernels:
         kernels = {k: v for k, v in kernels.items() if any(s in k for s in args.kernels)}
     rows = []
@@ -317,7 +318,8 @@ def main(argv: list[str] | None = None) -> str:
             "MCMC / fused+out", "MCMC.run µs/step (diff. quotient)", "MCMC.run / fused"]
     md = (f"### Kernel overhead: MCMC vs hand-fused lax.scan\n\n"
           f"Logistic regression, b = {args.clients} clients × {args.rows} rows, d = {args.dim}, "
-          f"minibatch n = {args.batch} (LMC, QLSD), exact gradients (ELF, ULA, MALA on the "
+          f"minibatch n = {args.batch or 'all rows'} (LMC, QLSD), exact gradients (ELF, ULA, "
+          "MALA on the "
           f"pooled {args.clients * args.rows} rows), float32, {device_name()}, "
           f"{xla_threading()}. {args.steps} steps, min of {args.repeats} interleaved repeats, "
           "compilation excluded. 'MCMC "

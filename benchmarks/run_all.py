@@ -15,7 +15,12 @@ Items (each a script of this folder with its own ``--help``; results in
    iterations, target < 2 s after compilation;
 7. ``bench_saem_defaults.py`` -- ``SAEM(model)`` with its defaults, fit + standard errors +
    -2LL on the 120 Theophylline rows: first fit in a fresh process and repeated fits, against
-   saemix's time for the same work (issue 12 target: repeated fits >= 4x faster).
+   saemix's time for the same work (issue 12 target: repeated fits >= 4x faster);
+8. ``bench_ttfd.py`` (item ``time-to-first-draw``) -- a user's whole ``MCMC.run`` in a fresh
+   process split into kernel construction, tracing, lowering, compilation and sampling, end to
+   end for 1000 and 10 000 steps against the QLSD and ELF papers' loops reimplemented in numpy
+   (targets <= 0.5x and <= 0.2x), and the steady state (ours / hand-fused <= 1.5, ELF >= 10x
+   faster than numpy).
 
 Default sizes take about 20 minutes on a 2-core CPU; ``--smoke`` runs every item at tiny
 sizes (seconds, for the test suite); ``--full`` uses the issue's full settings for item 4
@@ -50,6 +55,7 @@ SMOKE = {
               "--kernels", "LSD++"],
     "saem": ["--iters", "10", "--chains", "1"],
     "saem_defaults": ["--case", "dyestuff", "--repeats", "1", "--no-fresh"],
+    "time-to-first-draw": ["--smoke"],
 }
 FULL = {"large": ["--nuts-warmup", "1000", "--nuts-samples", "2000", "--fed-samples", "20000",
                   "--reference", "nuts"]}
@@ -58,6 +64,7 @@ FULL = {"large": ["--nuts-warmup", "1000", "--nuts-samples", "2000", "--fed-samp
 #: their own XLA threading before JAX starts (see :func:`_common.single_threaded_xla`).
 ITEMS = {name: HERE / f"bench_{name}.py" for name in
          ("overhead", "peer", "scaling", "large", "saem", "saem_defaults")}
+ITEMS["time-to-first-draw"] = HERE / "bench_ttfd.py"
 
 
 def _table(md: str, title_start: str | None = None) -> list[list[str]]:
@@ -113,6 +120,17 @@ def headline(name: str, md: str) -> str:
     if name == "saem_defaults":
         m = re.search(r"^(repeated fit \+ SE.*)$", md, re.M)
         return m.group(1) if m else ""
+    if name == "time-to-first-draw":
+        rows = _table(md, "#### End to end")
+        out = []
+        for k in sorted({r[2] for r in rows}, key=_num):
+            worst = max((r for r in rows if r[2] == k), key=lambda r: _num(r[5]))
+            out.append(f"K={k}: max {_num(worst[5]):.2f} ({worst[0]}, {worst[1]})")
+        split = _table(md, "#### First MCMC.run")
+        comp = max(split, key=lambda r: _num(r[8])) if split else None
+        tail = (f"; first-run XLA compile max {_num(comp[8]):.2f} s ({comp[0]}, {comp[1]})"
+                if comp else "")
+        return "ours / numpy end to end: " + "; ".join(out) + tail
     if name == "large":
         m = re.search(r"^(Best federated kernel.*|No federated kernel.*)$", md, re.M)
         return m.group(1) if m else ""

@@ -31,7 +31,7 @@ def run_all():
 def test_run_all_smoke(run_all, tmp_path):
     # saem_defaults: smoke-tested in test_saem_defaults.py, where the default fit it times is
     # already compiled
-    items = ["overhead", "peer", "large", "saem"]
+    items = ["overhead", "peer", "large", "saem", "time-to-first-draw"]
     summary = run_all.main(["--smoke", "--only", *items, "--out", str(tmp_path)])
     for name in items:
         text = (tmp_path / f"{name}.md").read_text()
@@ -48,6 +48,10 @@ def test_run_all_smoke(run_all, tmp_path):
     assert "| NUTS (centralised) |" in large and "| LSD++ |" in large
     assert "| saem | results/saem.md |" in summary and "Theophylline SAEM, 10 iterations" \
         in summary
+    ttfd = (tmp_path / "time-to-first-draw.md").read_text()
+    for row in ("| QLSD++ | smoke | 20 |", "| B-ELF | smoke | 20 |"):
+        assert row in ttfd
+    assert "ours / numpy end to end: K=20: max " in summary
     assert (tmp_path / "summary.md").exists()
 
 
