@@ -111,17 +111,15 @@ def mcmc_runner(kernel, num_chains: int, num_samples: int, run_kwargs: dict | No
     return run
 
 
-def mcmc_loop_runner(kernel, num_chains: int, num_samples: int,
-                     model_kwargs: dict | None = None) -> Callable[[], object]:
-    """NumPyro's own sampling loop of ``MCMC.run``, compiled once.
+def mcmc_loop_fn(kernel, num_chains: int, num_samples: int,
+                 model_kwargs: dict | None = None) -> tuple[Callable, object]:
+    """NumPyro's own sampling loop of ``MCMC.run`` as a function of the kernel's initial state:
+    ``(loop, state)``.
 
-    ``MCMC.run`` recompiles this loop on every call (see the module docstring), which makes
-    its steady-state cost hard to isolate on a noisy machine. This builds the very functions
-    ``MCMC.run`` uses -- the sample and postprocess functions from ``MCMC._get_cached_fns``,
-    the collection transform ``_collect_and_postprocess`` of the default fields and
-    ``numpyro.util.fori_collect`` (its ``lax.cond``-guarded collection buffer) -- around the
-    kernel's initial state, compiles them ahead of time and returns a runner of the
-    executable: the per-step time of MCMC without its per-run compilation."""
+    This builds the very functions ``MCMC.run`` uses -- the sample and postprocess functions
+    from ``MCMC._get_cached_fns``, the collection transform ``_collect_and_postprocess`` of the
+    default fields and ``numpyro.util.fori_collect`` (its ``lax.cond``-guarded collection
+    buffer) -- around the kernel's initial state."""
     from numpyro.infer import mcmc as mcmc_mod
     from numpyro.util import fori_collect
 
@@ -140,6 +138,18 @@ def mcmc_loop_runner(kernel, num_chains: int, num_samples: int,
                             progbar=False, return_last_val=True,
                             collection_size=num_samples)
 
+    return loop, state
+
+
+def mcmc_loop_runner(kernel, num_chains: int, num_samples: int,
+                     model_kwargs: dict | None = None) -> Callable[[], object]:
+    """NumPyro's own sampling loop of ``MCMC.run`` (:func:`mcmc_loop_fn`), compiled once.
+
+    ``MCMC.run`` recompiles this loop on every call (see the module docstring), which makes
+    its steady-state cost hard to isolate on a noisy machine. This compiles the loop ahead of
+    time and returns a runner of the executable: the per-step time of MCMC without its
+    per-run compilation."""
+    loop, state = mcmc_loop_fn(kernel, num_chains, num_samples, model_kwargs)
     return compiled_scan(loop, state)
 
 

@@ -121,6 +121,11 @@ def fused_federated(kern, steps: int, chains: int, with_bits: bool = False):
 
     Keys are split as in the kernels. The iteration counter is shared by the chains (QLSD++'s
     refresh stays a real ``lax.cond``). Returns a compiled no-argument runner."""
+    return compiled_scan(*fused_federated_fn(kern, steps, chains, with_bits))
+
+
+def fused_federated_fn(kern, steps: int, chains: int, with_bits: bool = False):
+    """:func:`fused_federated` before compilation: ``(fn, args)``."""
     pot, data, n, gamma = kern.potential, kern.partition, kern.batch_size, kern.step_size
     b, d = data.num_clients, pot.dim
     comp = kern.compressor
@@ -211,7 +216,7 @@ def fused_federated(kern, steps: int, chains: int, with_bits: bool = False):
 
     keys = random.split(random.PRNGKey(0), chains) if chains > 1 else random.PRNGKey(0)
     x0 = jnp.zeros((chains, d) if chains > 1 else (d,))
-    return compiled_scan(run, x0, keys, partition)
+    return run, (x0, keys, partition)
 
 
 def fused_pooled(model_kwargs: dict, steps: int, chains: int, mala: bool, emit_u: bool = False):

@@ -50,8 +50,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -299,15 +301,23 @@ def _timed_run(make_mcmc: Callable, events: _Events) -> dict:
 
 
 def worker(spec: dict) -> dict:
-    """One fresh-process measurement: ``spec`` = kernel, size, steps (and optional
-    ``cache_dir``: JAX's persistent compilation cache)."""
+    """One fresh-process measurement: ``spec`` = kernel, size, steps, runner (``"MCMC"``,
+    NumPyro's, or ``"CachedMCMC"``, ours) and optionally ``cache_dir`` (JAX's persistent
+    compilation cache)."""
+    if spec.get("diagnose"):
+        import ttfd_diagnosis
+
+        return ttfd_diagnosis.phase_worker(spec)
     if spec.get("cache_dir"):
         import numpyro_fed
 
-        numpyro_fed.enable_compilation_cache(spec["cache_dir"], min_compile_time_s=0.0)
+        numpyro_fed.enable_compilation_cache(spec["cache_dir"],
+                                             min_compile_time_s=spec.get("min_compile_time_s", 0))
     import jax  # noqa: F401
     from numpyro.infer import MCMC
 
+    if spec.get("runner", "MCMC") == "CachedMCMC":
+        from numpyro_fed import CachedMCMC as MCMC  # noqa: N814
     events = _Events()
     prob = make_problem(FAMILY[spec["kernel"]], *SIZES[spec["size"]])
     steps = spec["steps"]
@@ -365,8 +375,17 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--ss-steps", type=int, default=2000,
                    help="steps of the steady-state timings (compilation excluded)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat, in-process")
+    p.add_argument("--diagnose", action="store_true",
+                   help="instead: where the compile seconds go (ttfd_diagnosis.py), on the "
+                        "first of --sizes and the first of --steps")
+    p.add_argument("--diagnose-parts", default="ABCDE", help="parts of the diagnosis to run")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = p.parse_args(argv)
+    if args.diagnose:
+        import ttfd_diagnosis
+
+        return ttfd_diagnosis.diagnose(args.kernels, args.sizes[0], args.steps[0], args.repeats,
+                                       args.out, args.diagnose_parts)
     if args.smoke:
         args.sizes, args.steps, args.repeats, args.ss_steps = ["smoke"], [20], 1, 20
         args.kernels = ["QLSD++", "B-ELF"]
@@ -377,19 +396,36 @@ def main(argv: list[str] | None = None) -> str:
     ref: dict[tuple, float] = {}
     problems = {(f, s): make_problem(f, *SIZES[s]) for s in args.sizes for f in ("gauss",
                                                                                   "logistic")}
-    for rep in range(args.repeats):
-        for spec in specs:
-            key = (spec["kernel"], spec["size"], spec["steps"])
-            res = worker(spec) if args.smoke else run_worker(spec)
-            ours[key].append(res)
-            prob = problems[(FAMILY[spec["kernel"]], spec["size"])]
-            n_np = min(spec["steps"], args.numpy_max_steps)
-            t_np = time_numpy(spec["kernel"], prob, n_np) * spec["steps"] / n_np
-            ref[key] = min(ref.get(key, np.inf), t_np)
-            f = best_of(ours[key], "first")
-            print(f"[{rep}] {spec['kernel']:7s} {spec['size']:9s} K={spec['steps']:6d}: ours "
-                  f"{f['wall']:.2f} s (compile {f['compile']:.2f} s, {f['programs']} programs), "
-                  f"numpy {ref[key]:.2f} s", flush=True)
+    runners = ["MCMC", "CachedMCMC"]
+    cache_root = Path(tempfile.mkdtemp(prefix="ttfd-cache-"))
+    try:
+        for rep in range(args.repeats):
+            for spec in specs:
+                key = (spec["kernel"], spec["size"], spec["steps"])
+                for runner in runners:
+                    res = worker(dict(spec, runner=runner)) if args.smoke else \
+                        run_worker(dict(spec, runner=runner))
+                    ours[key + (runner,)].append(res)
+                if not args.smoke:  # persistent cache: cold in the first repeat, then warm
+                    folder = cache_root / "-".join(map(str, key))
+                    res = run_worker(dict(spec, runner="CachedMCMC", cache_dir=str(folder),
+                                          first_only=True))
+                    ours[key + ("cold" if rep == 0 else "warm",)].append(res)
+                prob = problems[(FAMILY[spec["kernel"]], spec["size"])]
+                n_np = min(spec["steps"], args.numpy_max_steps)
+                t_np = time_numpy(spec["kernel"], prob, n_np) * spec["steps"] / n_np
+                ref[key] = min(ref.get(key, np.inf), t_np)
+                f = best_of(ours[key + ("MCMC",)], "first")
+                c = best_of(ours[key + ("CachedMCMC",)], "first")
+                print(f"[{rep}] {spec['kernel']:7s} {spec['size']:9s} K={spec['steps']:6d}: "
+                      f"MCMC {f['wall']:.2f} s (compile {f['compile']:.2f} s), CachedMCMC "
+                      f"{c['wall']:.2f} s, numpy {ref[key]:.2f} s", flush=True)
+    finally:
+        shutil.rmtree(cache_root, ignore_errors=True)
+
+    def first(key, runner):
+        runs = ours.get(key + (runner,))
+        return best_of(runs, "first") if runs else {"wall": np.nan}
 
     # (1) split of the first run
     rows_split = []
@@ -397,21 +433,24 @@ def main(argv: list[str] | None = None) -> str:
         if spec["steps"] != min(args.steps):
             continue
         key = (spec["kernel"], spec["size"], spec["steps"])
-        f = best_of(ours[key], "first")
-        s = best_of(ours[key], "second") if "second" in ours[key][0] else \
-            {"wall": np.nan, "compile": np.nan, "programs": "-"}
-        rows_split.append([spec["kernel"], spec["size"], spec["steps"], f["wall"], f["build"],
-                           f["build_jax"], f["trace"], f["lower"], f["compile"],
-                           f["programs"] + f["build_programs"], f["rest"], s["wall"],
-                           s["compile"], s["programs"]])
+        for runner in runners:
+            runs = ours[key + (runner,)]
+            f = best_of(runs, "first")
+            s = best_of(runs, "second") if "second" in runs[0] else \
+                {"wall": np.nan, "compile": np.nan, "programs": "-"}
+            rows_split.append([spec["kernel"], spec["size"], spec["steps"], runner, f["wall"],
+                               f["build"], f["build_jax"], f["trace"], f["lower"],
+                               f["compile"], f["programs"] + f["build_programs"], f["rest"],
+                               s["wall"], s["compile"], s["programs"]])
     # (2) end to end
     rows_e2e = []
     for spec in specs:
         key = (spec["kernel"], spec["size"], spec["steps"])
-        f = best_of(ours[key], "first")
         target = 0.5 if spec["steps"] <= 1000 else 0.2
-        rows_e2e.append([spec["kernel"], spec["size"], spec["steps"], f["wall"], ref[key],
-                         f["wall"] / ref[key], f"≤ {target}"])
+        t_m, t_c = first(key, "MCMC")["wall"], first(key, "CachedMCMC")["wall"]
+        t_w = first(key, "warm")["wall"]
+        rows_e2e.append([spec["kernel"], spec["size"], spec["steps"], ref[key], t_m, t_c, t_w,
+                         t_m / ref[key], t_c / ref[key], t_w / ref[key], f"≤ {target}"])
     # (3) steady state, in this process: NumPyro's sampling loop compiled once, the
     # hand-fused scan of the same recursion and the numpy loop, interleaved
     rows_ss = []
@@ -434,18 +473,23 @@ def main(argv: list[str] | None = None) -> str:
           f"{device_name()}, {xla_threading()}; sizes "
           + ", ".join(f"{s} = {SIZES[s][0]} clients x {SIZES[s][1]} rows, d = {SIZES[s][2]}"
                       for s in args.sizes)
-          + f". Ours: a fresh Python process per kernel, size and K, timed from the kernel's "
-          f"construction to the draws on the host (MCMC(kernel, num_warmup=0, num_samples=K, "
-          f"progress_bar=False).run, get_samples); numpy: the reference loop in the parent "
-          f"process; min of {args.repeats} interleaved repeats.\n\n"
+          + f". Ours: a fresh Python process per kernel, size, K and runner, timed from the "
+          f"kernel's construction to the draws on the host (MCMC(kernel, num_warmup=0, "
+          f"num_samples=K, progress_bar=False).run, get_samples), with NumPyro's `MCMC` and "
+          f"with `numpyro_fed.CachedMCMC`; 'warm persistent cache': CachedMCMC in a fresh "
+          f"process after `numpyro_fed.enable_compilation_cache()` and one earlier process "
+          f"of the same run (the first repeat fills the cache). numpy: the reference loop in "
+          f"the parent process. Min of {args.repeats} interleaved repeats (warm cache: of "
+          f"{max(1, args.repeats - 1)}).\n\n"
           "#### First MCMC.run in a fresh process: where the time goes (s)\n\n"
-          + md_table(["kernel", "size", "K", "wall", "kernel build", "of which JAX",
+          + md_table(["kernel", "size", "K", "runner", "wall", "kernel build", "of which JAX",
                       "run: tracing", "run: lowering", "run: XLA compile", "programs compiled",
                       "run: init + sampling + Python", "2nd run wall", "2nd run compile",
                       "2nd run programs"], rows_split)
           + "\n#### End to end (compilation included) vs numpy reference (s)\n\n"
-          + md_table(["kernel", "size", "K", "ours", "numpy", "**ours / numpy**", "target"],
-                     rows_e2e)
+          + md_table(["kernel", "size", "K", "numpy", "MCMC", "CachedMCMC",
+                      "CachedMCMC, warm persistent cache", "MCMC / numpy",
+                      "**CachedMCMC / numpy**", "warm cache / numpy", "target"], rows_e2e)
           + f"\n#### Steady state, µs per step ({args.ss_steps} steps, compilation "
           f"excluded, min of {args.repeats + 1} interleaved repeats in one process)\n\n"
           + md_table(["kernel", "size", "ours (MCMC loop)", "hand-fused scan", "numpy",

@@ -28,6 +28,7 @@ from numpyro_fed.kernels import (
 )
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential
+from numpyro_fed.runner import CachedMCMC
 from numpyro_fed.saem import SAEM, SAEMResult, Schedule, SufficientStatistics
 
 __version__ = "0.1.0"
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BELF",
     "BitCounter",
+    "CachedMCMC",
     "DELF",
     "ELF",
     "LSD",

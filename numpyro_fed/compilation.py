@@ -3,7 +3,9 @@
 Most of the time of a short run (a first SAEM fit, a 1000-step chain) is XLA compiling the
 programs, not running them. JAX can keep compiled programs on disk and read them back in a
 later process; :func:`enable_compilation_cache` turns that on for every JAX program of the
-process (ours, NumPyro's, the user's).
+process (ours, NumPyro's, the user's). Within one process, :class:`numpyro_fed.CachedMCMC`
+keeps the compiled sampling loop of a kernel, which NumPyro's ``MCMC`` compiles again at
+every ``run``.
 
 The cache is keyed by the program (its HLO), the compiler options, the JAX/XLA version and
 the machine, so it cannot serve a program compiled for other code, shapes or settings: a
@@ -33,7 +35,7 @@ def default_cache_dir() -> Path:
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None, *,
-                             min_compile_time_s: float = 0.1) -> Path:
+                             min_compile_time_s: float = 0.0) -> Path:
     """Keep compiled programs on disk, so that a new process running the same programs
     (the same model structure, shapes and settings) reads them instead of compiling them.
 
@@ -44,8 +46,14 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
     variables of the same names, which also reach the processes a script starts).
 
     :param path: the cache folder (created if needed); default :func:`default_cache_dir`.
-    :param min_compile_time_s: programs that compile faster than this are not written
-        (JAX's default is 1 s, which leaves out most of the programs of a SAEM fit).
+    :param min_compile_time_s: programs that compile faster than this are not written.
+        Default 0: every program, including the ~100-200 single operations that NumPyro's
+        model initialisation and the kernels' ``init`` run eagerly, one compilation each
+        (20-50 ms apiece on a 2-core CPU). Measured on the toys of
+        ``benchmarks/bench_ttfd.py`` (fresh process, first ``MCMC.run`` of 1000 steps with a
+        warm cache): 2.5-3.2 s with 0, 5.8-9.7 s with 0.1 (the earlier default), 8-11 s
+        without the cache. JAX's own default is 1 s, which leaves out most of the programs
+        of a SAEM fit as well.
     :returns: the cache folder.
     """
     min_compile_time_s = check_float("min_compile_time_s", min_compile_time_s, low=0.0,

@@ -49,7 +49,8 @@ def test_run_all_smoke(run_all, tmp_path):
     assert "| saem | results/saem.md |" in summary and "Theophylline SAEM, 10 iterations" \
         in summary
     ttfd = (tmp_path / "time-to-first-draw.md").read_text()
-    for row in ("| QLSD++ | smoke | 20 |", "| B-ELF | smoke | 20 |"):
+    for row in ("| QLSD++ | smoke | 20 | MCMC |", "| B-ELF | smoke | 20 | CachedMCMC |",
+                "| B-ELF | smoke | 20 |"):
         assert row in ttfd
     assert "ours / numpy end to end: K=20: max " in summary
     assert (tmp_path / "summary.md").exists()

@@ -56,3 +56,163 @@ def test_default_folder_and_bad_argument(monkeypatch, tmp_path):
     assert default_cache_dir() == tmp_path / "xdg" / "numpyro_fed" / "jax"
     with pytest.raises(ValueError, match="min_compile_time_s"):
         numpyro_fed.enable_compilation_cache(tmp_path, min_compile_time_s=-1)
+
+
+# ------------------------------------------------------------------ CachedMCMC (issue 16)
+class _Compiles:
+    """XLA compilations (``jax.monitoring``) while the context is open."""
+
+    def __enter__(self):
+        from jax._src import monitoring
+
+        self.names: list[str] = []
+
+        def listen(event, duration, fun_name="", **kw):
+            if event == "/jax/core/compile/backend_compile_duration":
+                self.names.append(fun_name)
+
+        self._listen = listen
+        monitoring.register_event_duration_secs_listener(listen)
+        return self
+
+    def __exit__(self, *exc):
+        from jax._src import monitoring
+
+        monitoring.unregister_event_duration_listener(self._listen)
+
+
+def _toy_kernel(kind: str = "qlsd"):
+    from numpyro_fed import QLSD, ClientPartition, FederatedLangevin
+    from numpyro_fed.examples import logistic_regression
+
+    rng = np.random.default_rng(0)
+    clients = [{"X": rng.normal(size=(12, 3)).astype(np.float32),
+                "y": rng.integers(0, 2, size=12).astype(np.float32)} for _ in range(3)]
+    part = ClientPartition.from_clients(clients)
+    if kind == "qlsd":
+        return QLSD(logistic_regression, part, variant="++", step_size=1e-3, batch_size=4,
+                    bits=2, refresh_every=5)
+    return FederatedLangevin(logistic_regression, part, step_size=1e-3)
+
+
+def _same(a, b):
+    import jax
+
+    jax.tree.map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)), a, b)
+
+
+def test_cached_mcmc_second_run_compiles_nothing():
+    from jax import random
+
+    from numpyro_fed import CachedMCMC
+
+    kernel = _toy_kernel("qlsd")
+    first = CachedMCMC(kernel, num_warmup=5, num_samples=20, progress_bar=False)
+    with _Compiles() as c1:
+        first.run(random.key(0))
+        first.get_samples()  # NumPyro reshapes the draws (eager operations, compiled once)
+    assert c1.names, "the first run compiles its loop"
+    # a new CachedMCMC, another key: same kernel, same shapes -> no compilation at all
+    again = CachedMCMC(kernel, num_warmup=5, num_samples=20, progress_bar=False)
+    with _Compiles() as c2:
+        again.run(random.key(1))
+        again.get_samples()
+    assert c2.names == []
+    # and the same object run again
+    with _Compiles() as c3:
+        first.run(random.key(2))
+    assert c3.names == []
+    assert not np.array_equal(first.get_samples()["w"], again.get_samples()["w"])
+
+
+def test_numpyro_mcmc_recompiles_where_cached_mcmc_does_not():
+    """What CachedMCMC works around: NumPyro 0.22's MCMC.run compiles its loop every run."""
+    from jax import random
+    from numpyro.infer import MCMC
+
+    kernel = _toy_kernel("lmc")
+    MCMC(kernel, num_warmup=0, num_samples=10, progress_bar=False).run(random.key(0))
+    with _Compiles() as c:
+        MCMC(kernel, num_warmup=0, num_samples=10, progress_bar=False).run(random.key(1))
+    assert any("_fori_collect_loop" in n for n in c.names)
+
+
+@pytest.mark.parametrize("options", [
+    dict(num_warmup=6, num_samples=9, thinning=2),
+    dict(num_warmup=4, num_samples=7, num_chains=2, chain_method="vectorized"),
+    dict(num_warmup=4, num_samples=7, num_chains=2, chain_method="sequential"),
+    dict(num_warmup=8, num_samples=12, progress_bar=True),
+])
+def test_cached_mcmc_same_draws_as_numpyro_mcmc(options):
+    from jax import random
+    from numpyro.infer import MCMC
+
+    from numpyro_fed import CachedMCMC
+
+    kernel = _toy_kernel("qlsd")
+    options = {"progress_bar": False, **options}
+    runs = []
+    for cls in (MCMC, CachedMCMC):
+        mcmc = cls(kernel, **options)
+        mcmc.run(random.key(3), extra_fields=("extra.refreshes",))
+        runs.append(mcmc)
+    ref, ours = runs
+    _same(ref.get_samples(group_by_chain=True), ours.get_samples(group_by_chain=True))
+    _same(ref.get_extra_fields(group_by_chain=True), ours.get_extra_fields(group_by_chain=True))
+    _same(ref.last_state.z, ours.last_state.z)
+    assert ours.last_state.bits_up.shape == ref.last_state.bits_up.shape
+
+
+def test_cached_mcmc_nuts_and_model_arguments():
+    """Any NumPyro kernel; model arguments baked in (keyed by identity) or traced
+    (``jit_model_args=True``, keyed by shape)."""
+    import numpyro
+    import numpyro.distributions as dist
+    from jax import random
+    from numpyro.infer import MCMC, NUTS
+
+    from numpyro_fed import CachedMCMC
+
+    def model(x, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        numpyro.sample("y", dist.Normal(x @ w, 1.0), obs=y)
+
+    x = np.random.default_rng(1).normal(size=(15, 2)).astype(np.float32)
+    y = (x @ np.array([1.0, -1.0])).astype(np.float32)
+    kernel = NUTS(model)
+    ref = MCMC(kernel, num_warmup=20, num_samples=20, progress_bar=False)
+    ref.run(random.key(0), x, y=y)
+    ours = CachedMCMC(kernel, num_warmup=20, num_samples=20, progress_bar=False)
+    ours.run(random.key(0), x, y=y)
+    _same(ref.get_samples(), ours.get_samples())
+    with _Compiles() as c:
+        ours.run(random.key(0), x, y=y)
+    assert c.names == []
+    # new data of the same shapes: traced arguments need no new loop
+    traced = CachedMCMC(kernel, num_warmup=20, num_samples=20, progress_bar=False,
+                        jit_model_args=True)
+    traced.run(random.key(0), x, y=y)
+    with _Compiles() as c:
+        traced.run(random.key(0), x, y=y + 1.0)
+    assert c.names == []
+
+
+def test_cached_mcmc_cache_key_and_clear():
+    from jax import random
+
+    from numpyro_fed import CachedMCMC, runner
+
+    runner.clear_cache()
+    assert runner.cached_loops() == 0
+    kernel = _toy_kernel("lmc")
+    CachedMCMC(kernel, num_warmup=0, num_samples=5, progress_bar=False).run(random.key(0))
+    assert runner.cached_loops() == 1
+    # num_warmup is part of the key (kernels may read it when traced)
+    CachedMCMC(kernel, num_warmup=3, num_samples=5, progress_bar=False).run(random.key(0))
+    assert runner.cached_loops() == 2
+    # another kernel object: its own loop
+    CachedMCMC(_toy_kernel("lmc"), num_warmup=0, num_samples=5,
+               progress_bar=False).run(random.key(0))
+    assert runner.cached_loops() == 3
+    runner.clear_cache()
+    assert runner.cached_loops() == 0
