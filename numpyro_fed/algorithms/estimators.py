@@ -48,6 +48,7 @@ __all__ = [
     "fixed_control_variate",
     "svrg",
     "custom",
+    "for_variant",
 ]
 
 
@@ -206,3 +207,24 @@ def custom(fn: Callable) -> GradientEstimator:
         return fn(key, theta, oracle.data)
 
     return GradientEstimator(_no_state, _keep, estimate)
+
+
+def for_variant(variant: str, batch_size: int | None, *, refresh_every: int = 100,
+                theta_star: jax.Array | None = None, grad_star: Any = None,
+                g_star: Any = 0.0, oracle: Callable | None = None) -> GradientEstimator:
+    """The estimator of a QLSD variant (canonical code of
+    :data:`numpyro_fed.algorithms.variants.VARIANTS`): ``"#"`` -> :func:`plain` (or
+    :func:`custom` with a user ``oracle``), ``"*"`` -> :func:`fixed_control_variate` (needs
+    ``theta_star``, and ``grad_star`` without minibatches), ``"++"`` -> :func:`svrg`. The
+    in-process kernel and a deployed client choose their estimator here, with the same
+    arguments (a client passes its own :math:`\\nabla U_i(\\theta^\\star)` and no
+    :math:`g^\\star`, which the server adds)."""
+    if variant == "#":
+        return plain(batch_size) if oracle is None else custom(oracle)
+    if variant == "*":
+        if theta_star is None:
+            raise ValueError("QLSD*'s estimator needs `theta_star` (found at the kernel's init).")
+        return fixed_control_variate(theta_star, grad_star, g_star, batch_size)
+    if variant == "++":
+        return svrg(batch_size, refresh_every)
+    raise ValueError(f"Unknown QLSD `variant`={variant!r}; use '#', '*' or '++'.")

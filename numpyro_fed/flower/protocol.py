@@ -600,9 +600,15 @@ class ClientWorker:
         :math:`\\eta_i` -- and the compression key (QLSD Alg. 1-2)."""
         b, d = spec.num_clients, prob.dim
         k_batch, k_comp = random.split(k_alg)
+        if spec.variant == "*" and "theta_star" not in state:
+            raise ValueError("QLSD* step before the theta* round: the client lost its state")
+        # this client's own grad U_i(theta*); the server adds g* = sum_i grad U_i(theta*)
+        est = estimators.for_variant(
+            spec.variant, n, refresh_every=spec.refresh_every,
+            theta_star=jnp.asarray(state["theta_star"]) if "theta_star" in state else None,
+            grad_star=jnp.asarray(state["grad_star"]) if "grad_star" in state else None)
         est_state = ()
-        if spec.variant == "++" and n is not None:
-            est = estimators.svrg(n, spec.refresh_every)
+        if est.refresh_every is not None:  # QLSD++ with minibatches: the control point
             if bool(cmd["refresh"]) or "zeta" in arrays:
                 point = theta if bool(cmd["refresh"]) else self._dense(arrays, "zeta", dense)
                 new = est.refresh(prob, point, estimators.SVRGState(point, point, 0))
@@ -611,14 +617,6 @@ class ClientWorker:
                 state["zeta_round"] = k if bool(cmd["refresh"]) else int(cmd["zeta_round"])
             est_state = estimators.SVRGState(jnp.asarray(state["zeta"]),
                                              jnp.asarray(state["grad_zeta"]), 0)
-        elif spec.variant == "*":
-            if "theta_star" not in state:
-                raise ValueError("QLSD* step before the theta* round: the client lost its state")
-            # the server adds g*; the client's estimator needs theta* and its own grad U_i(theta*)
-            est = estimators.fixed_control_variate(
-                jnp.asarray(state["theta_star"]), jnp.asarray(state["grad_star"]), 0.0, n)
-        else:
-            est = estimators.plain(n)
         h = est.estimate(prob, k_batch, theta, est_state)
         eta = state.get("eta")
         if eta is None or eta.size != d:

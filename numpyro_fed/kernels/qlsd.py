@@ -430,17 +430,12 @@ class QLSD(FederatedKernel):
         (:mod:`numpyro_fed.algorithms.estimators`): QLSD#'s plain (or custom) oracle,
         QLSD*'s fixed control variate at :math:`\\theta^\\star` (available after ``init``),
         QLSD++'s SVRG control point."""
-        n = self.batch_size
-        if self.variant == "#":
-            if self._custom_oracle is not None:
-                return estimators.custom(self._custom_oracle)
-            return estimators.plain(n)
-        if self.variant == "*":
-            if self.theta_star is None:
-                raise RuntimeError("QLSD*: theta* is found at `init`; run the kernel first.")
-            return estimators.fixed_control_variate(self.theta_star, self._grads_star,
-                                                    self.g_star, n)
-        return estimators.svrg(n, self.refresh_every)
+        if self.variant == "*" and self.theta_star is None:
+            raise RuntimeError("QLSD*: theta* is found at `init`; run the kernel first.")
+        return estimators.for_variant(
+            self.variant, self.batch_size, refresh_every=self.refresh_every,
+            theta_star=self.theta_star, grad_star=self._grads_star, g_star=self.g_star,
+            oracle=self._custom_oracle)
 
     def step(self, key, noise_key, i, x, extra, data):
         """One round ([VPD+22]_ Alg. 1-2): the client half (the estimator of
@@ -460,7 +455,7 @@ class QLSD(FederatedKernel):
         if self.participation < 1.0:
             mask = participation_mask(key, self.participation, data.num_clients)
         est_state = ()
-        if self._uses_zeta:
+        if est.refresh_every is not None:  # QLSD++ with minibatches: the control point
             est_state = est.step_state(
                 oracle, i, x, estimators.SVRGState(extra.zeta, extra.grad_zeta, extra.refreshes))
             extra = extra._replace(zeta=est_state.zeta, grad_zeta=est_state.grad_zeta,
