@@ -341,7 +341,13 @@ class FlowerSpec:
 
         :param kernel: the in-process kernel.
         :param model: import reference of the kernel's model.
+        :raises ValueError: for another kernel (naming it), a custom QLSD oracle, or
+            per-client likelihood weights.
         """
+        if not isinstance(kernel, (QLSD, ELF)):
+            raise ValueError(
+                f"No Flower deployment for {type(kernel).__name__}: supported are QLSD "
+                "(variants '#', '*' and '++') and ELF (D, P and B).")
         pot = kernel.potential
         if not np.allclose(pot.likelihood_weight, pot.likelihood_weight[0]):
             raise ValueError("The Flower deployment needs one likelihood weight for all clients.")
@@ -369,17 +375,12 @@ class FlowerSpec:
             return cls(algorithm="qlsd", variant=kernel.variant, compressor=kernel.compressor,
                        memory_rate=kernel.memory_rate, refresh_every=kernel.refresh_every,
                        **common)
-        if isinstance(kernel, ELF):
-            common.update(kwargs)
-            info = variant_info("elf", kernel.variant)
-            if not info.compress_down:
-                return cls(algorithm=info.algorithm, compressor=kernel.uplink, **common)
-            return cls(algorithm=info.algorithm, compressor=kernel.uplink,
-                       downlink=kernel.downlink, w0=kernel.w0, **common)
-        raise ValueError(
-            f"No Flower deployment for {type(kernel).__name__}: supported are QLSD (variants "
-            "'#', '*' and '++') and ELF (D, P and B)."
-        )
+        common.update(kwargs)  # an ELF kernel
+        info = variant_info("elf", kernel.variant)
+        if not info.compress_down:
+            return cls(algorithm=info.algorithm, compressor=kernel.uplink, **common)
+        return cls(algorithm=info.algorithm, compressor=kernel.uplink,
+                   downlink=kernel.downlink, w0=kernel.w0, **common)
 
 
 # ============================================================================ client
