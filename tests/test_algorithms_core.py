@@ -96,7 +96,7 @@ def test_qlsd_memory_invariant_under_partial_participation():
     alpha, b, d = 0.3, 4, 3
     eta_i = jnp.zeros((b, d))
     eta = jnp.zeros(d)
-    for k in range(5):
+    for _k in range(5):
         h = jnp.asarray(rng.normal(size=(b, d)), jnp.float32)
         mask = jnp.asarray(rng.uniform(size=b) < 0.6)
         msg = qlsd.client_message(h, eta_i, alpha)
@@ -121,7 +121,7 @@ def test_elf_estimator_invariant_under_partial_participation(error_feedback):
     b, d = 4, 3
     g_local = jnp.asarray(rng.normal(size=(b, d)), jnp.float32)
     g = g_local.sum(0)
-    for k in range(5):
+    for _k in range(5):
         h = jnp.asarray(rng.normal(size=(b, d)), jnp.float32)
         mask = jnp.asarray(rng.uniform(size=b) < 0.6)
         msg = elf.client_message(h, g_local, error_feedback)
