@@ -70,9 +70,33 @@ from numpyro_fed.partition import ClientPartition
 
 Array = jax.Array
 
-__all__ = ["FederatedPotential", "PRIOR_MODES", "batch_indices", "client_bits"]
+__all__ = ["FederatedPotential", "PRIOR_MODES", "batch_indices", "client_bits", "prior_weights"]
 
 PRIOR_MODES = ("split", "size", "server")
+
+
+def prior_weights(mode: str, sizes: Any) -> tuple[np.ndarray, float]:
+    """The prior shares of a named ``prior`` mode: ``(w, w0)``, the clients' weights
+    :math:`w_i` and the server's :math:`w_0` (summing to 1).
+
+    ``"split"``: :math:`w_i = 1/b` (the papers' convention); ``"size"``: :math:`w_i =
+    N_i/N`; ``"server"``: :math:`w_0 = 1`. Used by :class:`FederatedPotential` and by a
+    deployment's server (:mod:`numpyro_fed.flower`), which knows the clients' sizes only.
+
+    :raises ValueError: for another mode.
+    """
+    sizes = np.asarray(sizes, dtype=float)
+    b = sizes.shape[0]
+    if mode == "split":
+        return np.full(b, 1.0 / b), 0.0
+    if mode == "size":
+        return sizes / sizes.sum(), 0.0
+    if mode == "server":
+        return np.zeros(b), 1.0
+    raise ValueError(
+        f"Unknown `prior`={mode!r}; use one of {PRIOR_MODES} or an array of {b} client "
+        "weights summing to 1."
+    )
 
 
 def _is_log_det_site(name: str, latent: set[str]) -> bool:
@@ -274,17 +298,7 @@ class FederatedPotential:
         sizes = np.asarray(partition.sizes_np, dtype=float)
 
         if isinstance(prior, str):
-            if prior == "split":
-                w, w0 = np.full(b, 1.0 / b), 0.0
-            elif prior == "size":
-                w, w0 = sizes / sizes.sum(), 0.0
-            elif prior == "server":
-                w, w0 = np.zeros(b), 1.0
-            else:
-                raise ValueError(
-                    f"Unknown `prior`={prior!r}; use one of {PRIOR_MODES} or an array of "
-                    f"{b} client weights summing to 1."
-                )
+            w, w0 = prior_weights(prior, sizes)
         else:
             try:
                 w = np.asarray(prior, dtype=float)

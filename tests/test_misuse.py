@@ -1,14 +1,14 @@
 """The misuse suite: every public kernel and entry point, given bad input, raises an exception
-of the documented type whose message names the argument at fault; and no entry point returns
-non-finite draws without raising.
+of the documented type whose message names the argument at fault.
 
 The cases are tables, so that adding a kernel (``KERNELS``) or an entry point runs it through
 every misuse that applies. The checks of the model itself (data-dependent priors, discrete
 latents, factorisation, control flow on data, missing observations) are in
-``tests/test_model_checks.py``; the divergence mechanism in ``tests/test_divergence.py``.
+``tests/test_model_checks.py``; the divergence mechanism in ``tests/test_divergence.py``, and
+that every public kernel (``shard_kernel`` included) raises ``DivergenceError`` instead of
+returning non-finite draws in ``tests/test_kernel_contract.py``.
 """
 
-import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
@@ -26,7 +26,6 @@ from numpyro_fed import (
     SAEM,
     ULA,
     ClientPartition,
-    DivergenceError,
     FederatedLangevin,
     FederatedPotential,
     QLSDPlusPlus,
@@ -34,7 +33,6 @@ from numpyro_fed import (
     QLSDStar,
     compressors,
     shard_kernel,
-    to_inference_data,
 )
 
 pytestmark = pytest.mark.xdist_group("misuse")
@@ -228,34 +226,3 @@ def test_run_level_misuse_is_named():
         mcmc.run(0)
     with pytest.raises(TypeError, match="kernel"):
         shard_kernel(ULA(gauss_model, step_size=1e-3))
-
-
-# --------------------------------------------------------------------- no silent non-finite
-# Each entry point run at a step size far past its stability limit (the Gaussian potential's
-# curvature is about N / sigma^2 >= 100: gamma = 1 diverges within a few steps): either it
-# raises DivergenceError or every draw is finite. (Finite runs at stable
-# step sizes are what every other test of the kernels does.)
-# (FederatedLangevin, QLSD with each variant, ELF with each variant, ULA and MALA run the same
-# property in tests/test_divergence.py; here: the other public classes and shard_kernel)
-ENTRY_POINTS = {
-    **{name: (lambda step, name=name: (build(name, step_size=step), {}))
-       for name in KERNELS if name not in ("FederatedLangevin", "QLSD", "ELF")},
-    "shard_kernel": lambda step: (shard_kernel(build("QLSD", step_size=step)), {}),
-}
-
-
-@pytest.mark.parametrize("name", list(ENTRY_POINTS))
-@pytest.mark.parametrize("step", [1.0])
-def test_no_entry_point_returns_non_finite_draws(name, step):
-    kern, kwargs = ENTRY_POINTS[name](step)
-    mcmc = MCMC(kern, num_warmup=5, num_samples=30, num_chains=2,
-                chain_method="vectorized", progress_bar=False)
-    try:
-        mcmc.run(random.key(1), **kwargs)
-    except DivergenceError as err:
-        assert "step_size" in str(err)
-        return
-    draws = mcmc.get_samples()
-    assert all(bool(jnp.all(jnp.isfinite(v))) for v in draws.values()), name
-    idata = to_inference_data(mcmc)
-    assert np.isfinite(idata.posterior["theta"].values).all()

@@ -160,7 +160,7 @@ def test_data_independent_factor_is_held_like_the_prior(x64, prior):
 def test_data_independent_factor_in_deployment_client(x64):
     """Deployed clients build their potential with check=False from their own rows (one row
     here): the penalty is still held like the prior, as in process."""
-    from numpyro_fed.distributed.client import ClientProblem
+    from numpyro_fed.algorithms.oracles import ClientProblem
 
     x, y = gauss_data(n=3)
     client = ClientProblem(ridge_model, {"x": x[:1], "y": y[:1]}, prior_weight=0.5)

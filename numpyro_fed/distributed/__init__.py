@@ -6,8 +6,10 @@
 * partial participation (who takes part in a round, the server's reweighting), shared by the
   in-process kernels and the Flower deployment, lives below the kernels in
   :mod:`numpyro_fed.algorithms.participation`; its names are re-exported here.
-* :mod:`numpyro_fed.distributed.client` -- the per-client computations of the kernels as pure
-  functions of one client's data (used by :mod:`numpyro_fed.flower`).
+* one client's gradient oracles (what a deployed client computes on its own rows) are
+  algorithm pieces: :class:`numpyro_fed.algorithms.oracles.ClientProblem`
+  (:mod:`numpyro_fed.distributed.client` re-exports it). Nothing here computes an
+  algorithm step: this package only places arrays on devices.
 """
 
 from numpyro_fed.algorithms.participation import (

@@ -6,13 +6,21 @@
 the ELF error-feedback estimator :math:`g_i`, P-/B-ELF's shadow model :math:`w`) and answers
 the server's instructions with compressed messages. :class:`ServerCoordinator` runs the
 kernel's server step: it draws the Langevin noise, asks the clients, receives only compressed
-messages, aggregates them and stores the draws. Both use the kernels' math and random keys
-(:class:`~numpyro_fed.distributed.client.ClientProblem`,
-:func:`~numpyro_fed.kernels.base.langevin_move`, the step key split
-``(rng_key, k_noise, k_alg) = split(rng_key, 3)``, client ``i`` drawing its minibatch
-from its own words of the batch key (:func:`~numpyro_fed.potential.client_bits`) and
-compressing with ``split(k, b)[i]``), so for a fixed seed and no faults the deployment reproduces
-``QLSD``/``ELF`` run in process up to float32 summation order.
+messages, aggregates them and stores the draws. Neither computes an algorithm step of its
+own: the client calls the client half of :mod:`numpyro_fed.algorithms.qlsd` /
+:mod:`numpyro_fed.algorithms.elf` (the variant's
+:class:`~numpyro_fed.algorithms.estimators.GradientEstimator` on its
+:class:`~numpyro_fed.algorithms.oracles.ClientProblem`, ``client_message``, ``client_commit``,
+``shadow_update``), the server their server half (``server_aggregate`` on the ``(b, d)``
+decoded messages with zero rows for absent clients, ``server_move``, ``downlink_message``)
+and :mod:`numpyro_fed.algorithms.theta_star` for QLSD*'s search -- the functions the
+in-process kernels call -- with the kernels' random keys (the step key split
+``(rng_key, k_noise, k_alg) = split(rng_key, 3)``, client ``i`` drawing its minibatch from its
+own words of the batch key (:func:`~numpyro_fed.potential.client_bits`) and compressing with
+``split(k, b)[i]``). What this module adds is transport: instructions, acknowledgements,
+catch-ups, faults and bit accounting on the wire. So for a fixed seed and no faults the
+deployment reproduces ``QLSD``/``ELF`` run in process up to float32 summation order (a
+client sums over its :math:`N_i` rows, the kernel over padded rows).
 
 **Consistency under faults.** A client's state update that depends on the server applying
 its message (QLSD's :math:`\\eta_i \\mathrel{+}= \\alpha g_i`, D-/B-ELF's
@@ -70,11 +78,17 @@ import numpy as np
 from jax import random
 
 from numpyro_fed._validation import check_float, check_int, check_positive_float
+from numpyro_fed.algorithms import elf as elf_core
+from numpyro_fed.algorithms import estimators
+from numpyro_fed.algorithms import qlsd as qlsd_core
+from numpyro_fed.algorithms import theta_star as search_alg
+from numpyro_fed.algorithms.oracles import ClientProblem, client_key
 from numpyro_fed.algorithms.participation import (
     check_participation,
     participation_mask,
     warn_if_many_empty_rounds,
 )
+from numpyro_fed.algorithms.theta_star import ThetaStarSearch
 from numpyro_fed.algorithms.variants import (
     VARIANTS,
     canonical_variant,
@@ -83,7 +97,6 @@ from numpyro_fed.algorithms.variants import (
     variant_of_algorithm,
 )
 from numpyro_fed.compressors import Compressor, CompressorSpec, get_compressor
-from numpyro_fed.distributed.client import ClientProblem, client_key
 from numpyro_fed.flower.codecs import (
     WireCodec,
     WireFormatError,
@@ -91,12 +104,12 @@ from numpyro_fed.flower.codecs import (
     dense_codec,
     deployable_spec,
 )
-from numpyro_fed.kernels.base import DivergenceError, check_step_size, langevin_move
+from numpyro_fed.kernels.base import DivergenceError, check_step_size
 from numpyro_fed.kernels.elf import ELF
 from numpyro_fed.kernels.langevin import _DIVERGED
-from numpyro_fed.kernels.qlsd import QLSD, ThetaStarSearch, check_theta_star
+from numpyro_fed.kernels.qlsd import QLSD, check_theta_star
 from numpyro_fed.partition import ClientPartition
-from numpyro_fed.potential import FederatedPotential
+from numpyro_fed.potential import FederatedPotential, prior_weights
 
 __all__ = [
     "FlowerSpec",
@@ -328,7 +341,13 @@ class FlowerSpec:
 
         :param kernel: the in-process kernel.
         :param model: import reference of the kernel's model.
+        :raises ValueError: for another kernel (naming it), a custom QLSD oracle, or
+            per-client likelihood weights.
         """
+        if not isinstance(kernel, (QLSD, ELF)):
+            raise ValueError(
+                f"No Flower deployment for {type(kernel).__name__}: supported are QLSD "
+                "(variants '#', '*' and '++') and ELF (D, P and B).")
         pot = kernel.potential
         if not np.allclose(pot.likelihood_weight, pot.likelihood_weight[0]):
             raise ValueError("The Flower deployment needs one likelihood weight for all clients.")
@@ -356,22 +375,17 @@ class FlowerSpec:
             return cls(algorithm="qlsd", variant=kernel.variant, compressor=kernel.compressor,
                        memory_rate=kernel.memory_rate, refresh_every=kernel.refresh_every,
                        **common)
-        if isinstance(kernel, ELF):
-            common.update(kwargs)
-            info = variant_info("elf", kernel.variant)
-            if not info.compress_down:
-                return cls(algorithm=info.algorithm, compressor=kernel.uplink, **common)
-            return cls(algorithm=info.algorithm, compressor=kernel.uplink,
-                       downlink=kernel.downlink, w0=kernel.w0, **common)
-        raise ValueError(
-            f"No Flower deployment for {type(kernel).__name__}: supported are QLSD (variants "
-            "'#', '*' and '++') and ELF (D, P and B)."
-        )
+        common.update(kwargs)  # an ELF kernel
+        info = variant_info("elf", kernel.variant)
+        if not info.compress_down:
+            return cls(algorithm=info.algorithm, compressor=kernel.uplink, **common)
+        return cls(algorithm=info.algorithm, compressor=kernel.uplink,
+                   downlink=kernel.downlink, w0=kernel.w0, **common)
 
 
 # ============================================================================ client
 class ClientWorker:
-    """A client: its data, its :class:`~numpyro_fed.distributed.client.ClientProblem`, and the
+    """A client: its data, its :class:`~numpyro_fed.algorithms.oracles.ClientProblem`, and the
     handling of the server's instructions.
 
     The client's mutable state is a flat dict of numpy arrays and ints passed in and returned
@@ -470,7 +484,7 @@ class ClientWorker:
                 if start + j <= have:
                     continue  # already applied (the server did not see our last reply)
                 v, _ = self._down.decode(chunks[offsets[j]:offsets[j + 1]])
-                w = w + jnp.asarray(v)  # the server's float32 addition, in the same order
+                w = elf_core.shadow_update(w, jnp.asarray(v))  # the server's addition
         state["w"] = np.asarray(w, np.float32)
         state["w_round"] = int(k)
         return jnp.asarray(state["w"])
@@ -537,12 +551,12 @@ class ClientWorker:
         if pending is not None and pending.size and int(state.get("pending_round", -10)) == int(
             cmd["ack"]
         ):
-            if spec.algorithm == "qlsd" and spec.memory_rate > 0:
-                state["eta"] = (state["eta"] + np.float32(spec.memory_rate) * pending).astype(
-                    np.float32
-                )
+            if spec.algorithm == "qlsd":
+                state["eta"] = np.asarray(qlsd_core.client_commit(
+                    jnp.asarray(state["eta"]), jnp.asarray(pending), spec.memory_rate))
             elif spec.algorithm in ("delf", "belf"):
-                state["g"] = (state["g"] + pending).astype(np.float32)
+                state["g"] = np.asarray(elf_core.client_commit(
+                    jnp.asarray(state["g"]), jnp.asarray(pending), True))
         state["pending"] = np.zeros(0, np.float32)
         state["pending_round"] = -10
         k_alg = random.wrap_key_data(jnp.asarray(arrays["key"], jnp.uint32))
@@ -557,8 +571,9 @@ class ClientWorker:
             else:
                 model = self._shadow_update(cmd, arrays, state, k, dense)
             h = prob.oracle(k_batch, model, n)
-            if spec.algorithm != "pelf":  # EF21: compress the change of the estimator
-                h = h - jnp.asarray(state["g"])
+            # EF21 (D, B): compress the change of the estimator; P: the dense gradient
+            h = elf_core.client_message(h, jnp.asarray(state.get("g", ())),
+                                        spec.algorithm != "pelf")
             kc = client_key(k_up, self.index, b)
         # a non-finite message (the chain diverged; in process the next x is not finite):
         # say so and send nothing, the server stops with a DivergenceError
@@ -579,37 +594,35 @@ class ClientWorker:
         return {"phase": "step", "round": k, "bits": int(bits)}, payload, state
 
     def _qlsd_message(self, spec, prob, cmd, arrays, state, theta, k_alg, k, n, dense):
-        """QLSD#/*/++: the oracle :math:`H_i(\\theta)` (minus the memory :math:`\\eta_i`) and
-        the compression key (QLSD Alg. 1-2)."""
+        """QLSD#/*/++: the client half of :mod:`numpyro_fed.algorithms.qlsd` on this client's
+        rows -- the variant's :class:`~numpyro_fed.algorithms.estimators.GradientEstimator`
+        (QLSD++'s control point refreshed when the server says so, or caught up with the
+        :math:`\\zeta` it sends a client that missed a refresh), minus the memory
+        :math:`\\eta_i` -- and the compression key (QLSD Alg. 1-2)."""
         b, d = spec.num_clients, prob.dim
         k_batch, k_comp = random.split(k_alg)
-        if spec.variant == "++" and n is not None:
-            if bool(cmd["refresh"]):
-                state["zeta"] = np.asarray(theta, np.float32)
-                state["grad_zeta"] = np.asarray(prob.full_grad(theta), np.float32)
-                state["zeta_round"] = k
-            elif "zeta" in arrays:
-                zeta = jnp.asarray(dense.decode(arrays["zeta"])[0])
-                state["zeta"] = np.asarray(zeta, np.float32)
-                state["grad_zeta"] = np.asarray(prob.full_grad(zeta), np.float32)
-                state["zeta_round"] = int(cmd["zeta_round"])
-            h = prob.batch_grad_diff(k_batch, theta, jnp.asarray(state["zeta"]), n) + jnp.asarray(
-                state["grad_zeta"]
-            )
-        elif spec.variant == "*":
-            if "theta_star" not in state:
-                raise ValueError("QLSD* step before the theta* round: the client lost its state")
-            if n is None:
-                h = prob.full_grad(theta) - jnp.asarray(state["grad_star"])
-            else:
-                h = prob.batch_grad_diff(k_batch, theta, jnp.asarray(state["theta_star"]), n)
-        else:
-            h = prob.oracle(k_batch, theta, n)
-        if spec.memory_rate > 0:
-            eta = state.get("eta")
-            if eta is None or eta.size == 0:
-                eta = state["eta"] = np.zeros(d, np.float32)
-            h = h - jnp.asarray(eta)
+        if spec.variant == "*" and "theta_star" not in state:
+            raise ValueError("QLSD* step before the theta* round: the client lost its state")
+        # this client's own grad U_i(theta*); the server adds g* = sum_i grad U_i(theta*)
+        est = estimators.for_variant(
+            spec.variant, n, refresh_every=spec.refresh_every,
+            theta_star=jnp.asarray(state["theta_star"]) if "theta_star" in state else None,
+            grad_star=jnp.asarray(state["grad_star"]) if "grad_star" in state else None)
+        est_state = ()
+        if est.refresh_every is not None:  # QLSD++ with minibatches: the control point
+            if bool(cmd["refresh"]) or "zeta" in arrays:
+                point = theta if bool(cmd["refresh"]) else self._dense(arrays, "zeta", dense)
+                new = est.refresh(prob, point, estimators.SVRGState(point, point, 0))
+                state["zeta"] = np.asarray(new.zeta, np.float32)
+                state["grad_zeta"] = np.asarray(new.grad_zeta, np.float32)
+                state["zeta_round"] = k if bool(cmd["refresh"]) else int(cmd["zeta_round"])
+            est_state = estimators.SVRGState(jnp.asarray(state["zeta"]),
+                                             jnp.asarray(state["grad_zeta"]), 0)
+        h = est.estimate(prob, k_batch, theta, est_state)
+        eta = state.get("eta")
+        if eta is None or eta.size != d:
+            eta = state["eta"] = np.zeros(d, np.float32)
+        h = qlsd_core.client_message(h, jnp.asarray(eta), spec.memory_rate)
         return h, client_key(k_comp, self.index, b)
 
 
@@ -797,12 +810,7 @@ class ServerCoordinator:
         self.node_of = {i: n for n, i in index_of.items()}
         self._configured = np.zeros(spec.num_clients, bool)
         self.sizes = sizes
-        if spec.prior == "split":
-            self.prior_weights = np.full(spec.num_clients, 1.0 / spec.num_clients)
-        elif spec.prior == "size":
-            self.prior_weights = sizes / sizes.sum()
-        else:
-            self.prior_weights = np.zeros(spec.num_clients)
+        self.prior_weights = prior_weights(spec.prior, sizes)[0]
         proto = self.prototype
         if proto is None:
             proto = {k: np.zeros([1, *shape], dtype) for k, (shape, dtype) in schema.items()}
@@ -932,8 +940,9 @@ class ServerCoordinator:
         cmd: dict[str, Any] = {}
         if shadow and self.spec.w0 == "compressed":
             zeros = jnp.zeros_like(x)
-            payload, bits, dec = down.compress(random.fold_in(key, 2), x - zeros)
-            w = zeros + jnp.asarray(dec)
+            payload, bits, dec = down.compress(random.fold_in(key, 2),
+                                               elf_core.downlink_message(x, zeros))
+            w = elf_core.shadow_update(zeros, jnp.asarray(dec))
             arrays = {"down": payload, "down_len": np.asarray([payload.size], np.int32)}
             cmd["w_from"] = -1
             declared = int(bits)
@@ -998,31 +1007,21 @@ class ServerCoordinator:
             rounds += 1
             return total(jnp.asarray(stack), x)
 
-        x = x0
-        g = grad_u(x)
-        gnorm = jnp.linalg.norm(g)
-        tol = spec.theta_star_gtol * jnp.maximum(1.0, gnorm)
-        g_start = float(gnorm)
-        x_prev, g_prev = x, g
-        m = v = jnp.zeros_like(x)
-        k = 0
-        while k < spec.theta_star_maxiter and bool((gnorm > tol) & jnp.isfinite(gnorm)):
-            if spec.theta_star_method == "bb":
-                x_new = _bb_step(jnp.int32(k), x, x_prev, g_prev, g, gnorm)
-                x_prev, g_prev, x = x, g, x_new
-            else:
-                x, m, v = _adam_step(jnp.int32(k), x, m, v, g, spec.theta_star_lr)
-            g = grad_u(x)
-            gnorm = jnp.linalg.norm(g)
-            k += 1
-        g_final = float(gnorm)
+        step = jax.jit(lambda st: search_alg.update(spec.theta_star_method, st,
+                                                    spec.theta_star_lr))
+        st = search_alg.init(x0, grad_u(x0))
+        g_start = float(jnp.linalg.norm(st.g))
+        tol = search_alg.tolerance(spec.theta_star_gtol, jnp.linalg.norm(st.g))
+        while bool(search_alg.keep_going(st, tol, spec.theta_star_maxiter)):
+            st = step(st)
+            st = st._replace(g=grad_u(st.x))
+        g_final = float(jnp.linalg.norm(st.g))
         info = ThetaStarSearch(
             method=spec.theta_star_method, rounds=rounds, bits_up=rounds * b * 32 * d,
             bits_down=rounds * b * 32 * d, grad_norm=g_final,
-            converged=bool(np.isfinite(g_final)
-                           and g_final <= spec.theta_star_gtol * max(1.0, g_start) * 1.0001),
+            converged=search_alg.converged(g_final, g_start, spec.theta_star_gtol),
         )
-        return x, info
+        return st.x, info
 
     # -- P-/B-ELF downlink --------------------------------------------------------------------
     def _shadow_request(self, i: int, k: int, known: np.ndarray, hist: dict[int, tuple],
@@ -1082,11 +1081,17 @@ class ServerCoordinator:
             x = pot.init_params(random.fold_in(key, 1))
         x = jnp.asarray(x, jnp.float32)
         gamma = spec.step_size
-        move = jax.jit(lambda k, x, g: langevin_move(k, x, g, gamma))
-        server_grad = jax.jit(pot.server_grad)
+        # the server halves of numpyro_fed.algorithms.{qlsd,elf}, compiled once per run
+        qlsd_move = jax.jit(lambda k, x, g, c: qlsd_core.server_move(
+            k, x, g, c, pot.server_grad(x), gamma))
+        elf_move = jax.jit(lambda k, x, g: elf_core.server_move(
+            k, x, g, pot.server_grad(x), gamma))
+        qlsd_aggregate = jax.jit(lambda msgs, eta, mask: qlsd_core.server_aggregate(
+            msgs, eta, spec.memory_rate, mask))
+        elf_aggregate = jax.jit(lambda g, msgs, table, mask: elf_core.server_aggregate(
+            g, msgs, alg != "pelf", table, mask))
         rng_key = key
         applied = np.full(b, -1, np.int64)  # last round whose message was applied, per client
-        alpha = spec.memory_rate
         uses_zeta = alg == "qlsd" and spec.variant == "++" and spec.batch_size > 0
         zeta, zeta_round = x, -1
         client_zeta = np.full(b, -2, np.int64)
@@ -1113,11 +1118,11 @@ class ServerCoordinator:
             key_data = np.asarray(random.key_data(k_alg), np.uint32)
             requests, down_declared, down_payload = {}, 0, 0
             if shadow:
-                x_send = move(k_noise, x, server_grad(x) + g)
+                x_send = elf_move(k_noise, x, g)
                 self._check_finite(x_send, k + 1)
                 k_down = random.split(k_alg, 3)[1]
-                payload, bits, dec = down.compress(k_down, x_send - w)
-                w = w + jnp.asarray(dec)
+                payload, bits, dec = down.compress(k_down, elf_core.downlink_message(x_send, w))
+                w = elf_core.shadow_update(w, jnp.asarray(dec))
                 hist[k] = (payload, int(bits))
                 cache: list[np.ndarray] = []
 
@@ -1136,7 +1141,7 @@ class ServerCoordinator:
                     )
             else:
                 if alg == "delf":
-                    x_send = move(k_noise, x, server_grad(x) + g)
+                    x_send = elf_move(k_noise, x, g)
                     self._check_finite(x_send, k + 1)
                 else:
                     x_send = x
@@ -1161,36 +1166,19 @@ class ServerCoordinator:
             got = self._receive(replies, asked_ids, "step", k, codec)
             present = np.zeros(b, bool)
             present[list(got)] = True
+            # the decoded messages as the in-process kernels hold them: (b, d), zero rows
+            # for absent clients; no mask when every client was asked and answered
             order = sorted(got)
-            msgs = jnp.asarray(np.stack([got[i][0] for i in order])) if order else None
+            msgs = np.zeros((b, d), np.float32)
+            for i in order:
+                msgs[i] = got[i][0]
+            full = spec.participation == 1.0 and bool(present.all())
+            mask = None if full else jnp.asarray(present)
             if alg == "qlsd":
-                if msgs is None:
-                    total = jnp.zeros(d, jnp.float32)
-                elif len(order) == b:
-                    total = jnp.sum(msgs, 0)
-                else:
-                    total = jnp.sum(jnp.float32(b / len(order)) * msgs, 0)
-                if alpha > 0:
-                    gk = total + eta if len(order) != b else eta + total
-                    if msgs is not None:
-                        eta = eta + alpha * jnp.sum(msgs, 0)
-                else:
-                    gk = total
-                x = move(k_noise, x, gk + offset + server_grad(x))
-            elif alg == "pelf":  # the server keeps every client's last dense g_i
-                if len(order) == b and spec.participation == 1.0:
-                    table = msgs
-                    g = jnp.sum(table, 0)
-                elif msgs is not None:
-                    new = table.at[jnp.asarray(order)].set(msgs)
-                    g = g + jnp.sum(new - table, 0)
-                    table = new
-                x = x_send
-            else:  # D-/B-ELF: g += sum of the applied EF21 corrections (absent: 0)
-                if msgs is not None:
-                    c = msgs if len(order) == b else jnp.zeros((b, d), jnp.float32).at[
-                        jnp.asarray(order)].set(msgs)
-                    g = g + jnp.sum(c, 0)
+                gk, eta = qlsd_aggregate(jnp.asarray(msgs), eta, mask)
+                x = qlsd_move(k_noise, x, gk, offset)
+            else:  # D-/B-ELF: g += the applied EF21 corrections; P-ELF: the clients' last g_i
+                g, table = elf_aggregate(g, jnp.asarray(msgs), table, mask)
                 x = x_send
             if uses_zeta:
                 client_zeta[present] = zeta_round
@@ -1232,24 +1220,3 @@ class ServerCoordinator:
             "mean_participants": float(np.mean([p.sum() for p in lg.participants]))
             if lg.participants else math.nan} | {
             f"setup_{k}": float(v) for k, v in self.setup_bits.items()}
-
-
-@jax.jit
-def _bb_step(k, x, x_prev, g_prev, g, gnorm):
-    """One Barzilai--Borwein step of :func:`~numpyro_fed.kernels.qlsd.find_theta_star`."""
-    s, y = x - x_prev, g - g_prev
-    sy = jnp.vdot(s, y)
-    first = 1e-3 * jnp.maximum(1.0, jnp.linalg.norm(x)) / jnp.maximum(gnorm, 1e-30)
-    lr = jnp.where((k > 0) & (sy > 0), jnp.vdot(s, s) / jnp.where(sy > 0, sy, 1.0), first)
-    return x - lr * g
-
-
-@jax.jit
-def _adam_step(k, x, m, v, g, learning_rate):
-    """One Adam step of :func:`~numpyro_fed.kernels.qlsd.find_theta_star`."""
-    b1, b2, eps = 0.9, 0.999, 1e-8
-    m = b1 * m + (1 - b1) * g
-    v = b2 * v + (1 - b2) * g**2
-    t = (k + 1).astype(x.dtype)
-    x = x - learning_rate * (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps)
-    return x, m, v

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax import random
 from numpyro.infer.initialization import init_to_uniform
 
+from numpyro_fed.algorithms import elf as core
 from numpyro_fed.algorithms.participation import (
     check_participation,
     participation_mask,
@@ -54,7 +55,7 @@ from numpyro_fed.algorithms.participation import (
 from numpyro_fed.algorithms.variants import VARIANTS, canonical_variant, variant_info
 from numpyro_fed.bits import scale_bits
 from numpyro_fed.compressors import Compressor, get_compressor, identity
-from numpyro_fed.kernels.base import check_compressor_dim, langevin_move
+from numpyro_fed.kernels.base import check_compressor_dim
 from numpyro_fed.kernels.langevin import FederatedKernel
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential
@@ -286,13 +287,15 @@ class ELF(FederatedKernel):
         return self.broadcast_bits(data)
 
     def _broadcast_update(self, key, x_new, w, data):
-        """EF21-P downlink: ``w + Q^P(x_new - w)`` and the bits received by the clients."""
-        v, bits = self.downlink(key, x_new - w)
+        """EF21-P downlink (server half): ``w + Q^P(x_new - w)`` and the bits received by
+        the clients."""
+        v, bits = self.downlink(key, core.downlink_message(x_new, w))
         comp, d = self.downlink, x_new.shape[-1]
+        w_new = core.shadow_update(w, v)
         if comp.static_bits is not None:
-            return w + v, data.num_clients * int(comp.static_bits(d))
+            return w_new, data.num_clients * int(comp.static_bits(d))
         bound = None if comp.max_bits is None else int(comp.max_bits(d))
-        return w + v, scale_bits(bits, data.num_clients, max_bits=bound)
+        return w_new, scale_bits(bits, data.num_clients, max_bits=bound)
 
     # -- algorithm interface -------------------------------------------------------------
     def init_extra(self, key, x, data):
@@ -309,54 +312,51 @@ class ELF(FederatedKernel):
     def refresh_extra(self, extra, x, data):
         """The target changed (e.g. SAEM's new hyperparameters): the error-feedback
         estimators :math:`g^i` refer to the old potential, so every client re-sends its dense
-        gradient at the model it holds, :math:`g^i = \nabla U_i(w)` (one counted uplink
+        gradient at the model it holds, :math:`g^i = \\nabla U_i(w)` (one counted uplink
         round); :math:`w` itself is unchanged, so nothing is broadcast."""
         g_local = self.potential.full_grads(extra.w, data)
         new = extra._replace(g_local=g_local, g=jnp.sum(g_local, axis=0))
         return new, self._dense_bits(data), 0
 
     def step(self, key, noise_key, i, x, extra, data):
-        """One ELF iteration (Alg. 1, 2 or 3; order of Alg. 3)."""
+        """One ELF iteration (Alg. 1, 2 or 3; order of Alg. 3): the server half
+        (:func:`~numpyro_fed.algorithms.elf.server_move`, the EF21-P broadcast), the client
+        half (:func:`~numpyro_fed.algorithms.elf.client_message`, compressed ``vmap``-ed over
+        the clients, :func:`~numpyro_fed.algorithms.elf.client_commit`) on all clients at
+        once, and the server's aggregate (:func:`~numpyro_fed.algorithms.elf.server_aggregate`).
+        With ``participation < 1`` only the clients in :math:`S_k` send; absent clients keep
+        their stale :math:`g^i`."""
         k_batch, k_down, k_up = random.split(key, 3)
-        # server: Langevin move with the current estimator g_k (+ its own prior share)
-        drift = self.potential.server_grad(x) + extra.g
-        x_new = langevin_move(noise_key, x, drift, self._step_size)
+        ef, b = self._compress_up, data.num_clients
+        x_new = core.server_move(noise_key, x, extra.g, self.potential.server_grad(x),
+                                 self._step_size)
         # downlink: dense x_{k+1} (D) or EF21-P update of the shadow model (P, B)
         if self._compress_down:
             w_new, down = self._broadcast_update(k_down, x_new, extra.w, data)
         else:
             w_new, down = x_new, self._dense_bits(data)
-        # clients: local gradients at the model they hold
-        h = self.oracle(k_batch, w_new, data)
+        mask = None
         if self.participation < 1.0:
-            return self._partial_uplink(key, k_up, x_new, w_new, down, h, extra, data)
-        # uplink: EF21 messages (D, B) or dense gradients (P)
-        if self._compress_up:
-            c, up = self.compress_all(k_up, h - extra.g_local, self.uplink)
-            g_local = extra.g_local + c
-            g = extra.g + jnp.sum(c, axis=0)
+            mask = participation_mask(key, self.participation, b)
+            if not self._compress_down:  # D-ELF: x_{k+1} goes to the participants only
+                down = self.count_clients_bits(mask, 32 * self.potential.dim)
+        # clients: local gradients at the model they hold, EF21 messages (D, B) or dense (P)
+        h = self.oracle(k_batch, w_new, data)
+        msg = core.client_message(h, extra.g_local, ef)
+        if ef:
+            decoded, up = self.compress_all(k_up, msg, self.uplink, mask=mask)
+        elif mask is None:
+            decoded, up = msg, self._dense_bits(data)
         else:
-            g_local, g, up = h, jnp.sum(h, axis=0), self._dense_bits(data)
-        return x_new, ELFState(g_local=g_local, g=g, w=w_new), up, down
-
-    def _partial_uplink(self, key, k_up, x_new, w_new, down, h, extra, data):
-        """Uplink of one round with partial participation: only the clients in
-        :math:`S_k` send; absent clients keep their stale :math:`g^i`."""
-        b = data.num_clients
-        mask = participation_mask(key, self.participation, b)
-        if self._compress_up:
-            c, up = self.compress_all(k_up, h - extra.g_local, self.uplink, mask=mask)
-            c = jnp.where(mask[:, None], c, 0.0)
-            g_local = extra.g_local + c
-            g = extra.g + jnp.sum(c, axis=0)
+            decoded, up = msg, self.count_clients_bits(mask, 32 * self.potential.dim)
+        g, table = core.server_aggregate(extra.g, decoded, ef, extra.g_local, mask)
+        if ef:
+            applied = decoded if mask is None else jnp.where(mask[:, None], decoded, 0.0)
+            g_local = core.client_commit(extra.g_local, applied, ef)
         else:
-            g_local = jnp.where(mask[:, None], h, extra.g_local)
-            g = extra.g + jnp.sum(g_local - extra.g_local, axis=0)
-            up = self.count_clients_bits(mask, 32 * self.potential.dim)
-        if not self._compress_down:  # D-ELF: x_{k+1} goes to the participants only
-            down = self.count_clients_bits(mask, 32 * self.potential.dim)
-        new = ELFState(g_local=g_local, g=g, w=w_new, participants=mask)
-        return x_new, new, up, down
+            g_local = table  # P-ELF: the server's table is the clients' last dense gradients
+        parts = () if mask is None else mask
+        return x_new, ELFState(g_local=g_local, g=g, w=w_new, participants=parts), up, down
 
 
 class DELF(ELF):

@@ -35,6 +35,8 @@ from numpyro.infer.util import initialize_model
 from numpyro.util import identity
 
 from numpyro_fed._validation import check_bool, check_int
+from numpyro_fed.algorithms import estimators
+from numpyro_fed.algorithms import qlsd as qlsd_core
 from numpyro_fed.algorithms.langevin import mala_log_ratio, mala_sq_residuals
 from numpyro_fed.bits import (
     BitCounter,
@@ -806,10 +808,10 @@ class FederatedKernel(MCMCKernel):
         return data.num_clients * 32 * self.potential.dim
 
     def oracle(self, key, x, data):
-        """Client gradients :math:`H_i(x)`, shape ``(b, d)``: exact or minibatch."""
-        if self.batch_size is None:
-            return self.potential.full_grads(x, data)
-        return self.potential.batch_grads(key, x, data, self.batch_size)
+        """Client gradients :math:`H_i(x)`, shape ``(b, d)``: exact or minibatch
+        (:func:`numpyro_fed.algorithms.estimators.plain` on all clients at once)."""
+        oracle = estimators.StackedClients(self.potential, data)
+        return estimators.plain(self.batch_size).estimate(oracle, key, x, ())
 
     def compress_all(self, key, messages, compressor: Compressor | None = None,
                      mask: jax.Array | None = None):
@@ -883,8 +885,10 @@ class FederatedLangevin(FederatedKernel):
         # a compressor that ignores its key (identity, top-k) needs none: the minibatch
         # takes the algorithm key itself, saving one key derivation per step
         k_batch, k_comp = random.split(key) if self.compressor.randomised else (key, key)
+        # QLSD#'s round without memory (numpyro_fed.algorithms.qlsd)
         h = self.oracle(k_batch, x, data)
-        h, up = self.compress_all(k_comp, h)
-        g = self.potential.server_grad(x) + jnp.sum(h, axis=0)
-        x_new = langevin_move(noise_key, x, g, self._step_size)
+        decoded, up = self.compress_all(k_comp, h)
+        g, _ = qlsd_core.server_aggregate(decoded, (), 0.0)
+        x_new = qlsd_core.server_move(noise_key, x, g, 0.0, self.potential.server_grad(x),
+                                      self._step_size)
         return x_new, extra, up, self.broadcast_bits(data)

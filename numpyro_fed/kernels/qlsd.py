@@ -57,15 +57,18 @@ from jax import lax, random
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._validation import check_float, check_int
+from numpyro_fed.algorithms import estimators
+from numpyro_fed.algorithms import qlsd as core
+from numpyro_fed.algorithms import theta_star as search_alg
 from numpyro_fed.algorithms.participation import (
     check_participation,
     participation_mask,
-    ratio_weights,
     warn_if_many_empty_rounds,
 )
+from numpyro_fed.algorithms.theta_star import ThetaStarSearch
 from numpyro_fed.algorithms.variants import canonical_variant, spellings
 from numpyro_fed.compressors import Compressor, identity, quantize
-from numpyro_fed.kernels.base import langevin_move, split_chain_keys
+from numpyro_fed.kernels.base import split_chain_keys
 from numpyro_fed.kernels.langevin import FederatedKernel
 from numpyro_fed.partition import ClientPartition
 
@@ -107,25 +110,6 @@ class QLSDExtra(NamedTuple):
     grad_zeta: jax.Array
     refreshes: jax.Array
     participants: Any = ()
-
-
-class ThetaStarSearch(NamedTuple):
-    """Communication and outcome of QLSD*'s federated search for :math:`\\theta^\\star`.
-
-    - **method** -- ``"bb"``, ``"adam"``, ``"bfgs"`` or ``"user"`` (given by the user: no search).
-    - **rounds** -- communication rounds of the search (one per gradient evaluation).
-    - **bits_up** / **bits_down** -- bits of the search, uplink (summed over clients) and
-      downlink (broadcasts to all clients).
-    - **grad_norm** -- :math:`\\|\\nabla U(\\theta^\\star)\\|` at the point found.
-    - **converged** -- whether the optimiser met its tolerance.
-    """
-
-    method: str
-    rounds: int
-    bits_up: int
-    bits_down: int
-    grad_norm: float
-    converged: bool
 
 
 def check_theta_star(pot, value: Mapping[str, Any]) -> jax.Array:
@@ -208,42 +192,19 @@ def find_theta_star(
         )(x0)
         theta, rounds = res.x, int(res.nfev)
         up_per_round = b * (32 * d + 32)  # gradient + value for the line search
-    elif method in ("bb", "adam"):
-        b1, b2, eps = 0.9, 0.999, 1e-8
-
-        def cond(c):
-            k, gnorm, tol = c[0], c[-2], c[-1]
-            return (k < maxiter) & (gnorm > tol) & jnp.isfinite(gnorm)
-
-        def body_adam(c):
-            k, x, m, v, g, gnorm, tol = c
-            m = b1 * m + (1 - b1) * g
-            v = b2 * v + (1 - b2) * g**2
-            t = (k + 1).astype(x.dtype)
-            x = x - learning_rate * (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps)
-            g = grad_u(x)
-            return k + 1, x, m, v, g, jnp.linalg.norm(g), tol
-
-        def body_bb(c):
-            k, x, x_prev, g_prev, g, gnorm, tol = c
-            s, y = x - x_prev, g - g_prev
-            sy = jnp.vdot(s, y)
-            first = 1e-3 * jnp.maximum(1.0, jnp.linalg.norm(x)) / jnp.maximum(gnorm, 1e-30)
-            lr = jnp.where((k > 0) & (sy > 0), jnp.vdot(s, s) / jnp.where(sy > 0, sy, 1.0), first)
-            x_new = x - lr * g
-            g_new = grad_u(x_new)
-            return k + 1, x_new, x, g, g_new, jnp.linalg.norm(g_new), tol
+    elif method in search_alg.METHODS:
 
         def search(x):
             g = grad_u(x)
-            gnorm = jnp.linalg.norm(g)
-            tol = gtol * jnp.maximum(1.0, gnorm)
-            z = jnp.zeros_like(x)
-            if method == "adam":
-                out = lax.while_loop(cond, body_adam, (0, x, z, z, g, gnorm, tol))
-            else:
-                out = lax.while_loop(cond, body_bb, (0, x, x, g, g, gnorm, tol))
-            return out[0], out[1]
+            tol = search_alg.tolerance(gtol, jnp.linalg.norm(g))
+
+            def body(st):
+                st = search_alg.update(method, st, learning_rate)
+                return st._replace(g=grad_u(st.x))
+
+            out = lax.while_loop(lambda st: search_alg.keep_going(st, tol, maxiter), body,
+                                 search_alg.init(x, g))
+            return out.k, out.x
 
         k, theta = jax.jit(search)(x0)
         rounds = int(k) + 1  # + the gradient at x0
@@ -260,7 +221,7 @@ def find_theta_star(
         bits_up=rounds * up_per_round,
         bits_down=rounds * b * 32 * d,
         grad_norm=g_final,
-        converged=bool(np.isfinite(g_final) and g_final <= gtol * max(1.0, g_start) * 1.0001),
+        converged=search_alg.converged(g_final, g_start, gtol),
     )
     return theta, info
 
@@ -464,79 +425,52 @@ class QLSD(FederatedKernel):
         up, down = self._star_bits
         return extra, up, down + self.broadcast_bits(data)
 
-    def client_messages(self, key, i, x, extra, data):
-        """Client oracles :math:`H_i(\\theta_k)` (shape ``(b, d)``), the server offset
-        :math:`c` and the updated control-variate state."""
-        pot, n = self.potential, self.batch_size
-        if self.variant == "#":
-            if self._custom_oracle is not None:
-                return self._custom_oracle(key, x, data), 0.0, extra
-            return self.oracle(key, x, data), 0.0, extra
-        if self.variant == "*":
-            if n is None:
-                h = pot.full_grads(x, data) - self._grads_star
-            else:
-                h = pot.batch_grad_diffs(key, x, self.theta_star, data, n)
-            return h, self.g_star, extra
-        # QLSD++
-        if n is None:  # all rows: sum_j [grad U_ij(x) - grad U_ij(zeta)] + grad U_i(zeta)
-            return pot.full_grads(x, data), 0.0, extra
-
-        def refresh(_):
-            return x, pot.full_grads(x, data), extra.refreshes + 1
-
-        def keep(_):
-            return extra.zeta, extra.grad_zeta, extra.refreshes
-
-        zeta, grad_zeta, count = lax.cond(i % self.refresh_every == 0, refresh, keep, None)
-        h = pot.batch_grad_diffs(key, x, zeta, data, n) + grad_zeta
-        return h, 0.0, extra._replace(zeta=zeta, grad_zeta=grad_zeta, refreshes=count)
+    def estimator(self) -> estimators.GradientEstimator:
+        """The client oracle :math:`H_i` of this variant
+        (:mod:`numpyro_fed.algorithms.estimators`): QLSD#'s plain (or custom) oracle,
+        QLSD*'s fixed control variate at :math:`\\theta^\\star` (available after ``init``),
+        QLSD++'s SVRG control point."""
+        if self.variant == "*" and self.theta_star is None:
+            raise RuntimeError("QLSD*: theta* is found at `init`; run the kernel first.")
+        return estimators.for_variant(
+            self.variant, self.batch_size, refresh_every=self.refresh_every,
+            theta_star=self.theta_star, grad_star=self._grads_star, g_star=self.g_star,
+            oracle=self._custom_oracle)
 
     def step(self, key, noise_key, i, x, extra, data):
+        """One round ([VPD+22]_ Alg. 1-2): the client half (the estimator of
+        :mod:`numpyro_fed.algorithms.estimators` and
+        :func:`~numpyro_fed.algorithms.qlsd.client_message`) on all clients at once, each
+        client's compression ``vmap``-ed, and the server half
+        (:func:`~numpyro_fed.algorithms.qlsd.server_aggregate`,
+        :func:`~numpyro_fed.algorithms.qlsd.server_move`). With ``participation < 1`` only
+        the clients of the round's mask
+        (:func:`~numpyro_fed.algorithms.participation.participation_mask`) send;
+        QLSD++'s control variates :math:`\\nabla U_i(\\zeta_k)` are deterministic, so a client
+        absent at a refresh computes the same value when it next takes part."""
+        est, alpha = self.estimator(), self.memory_rate
+        oracle = estimators.StackedClients(self.potential, data)
+        k_batch, k_comp = random.split(key)
+        mask = None
         if self.participation < 1.0:
-            return self._partial_step(key, noise_key, i, x, extra, data)
-        k_batch, k_comp = random.split(key)
-        h, offset, extra = self.client_messages(k_batch, i, x, extra, data)
-        alpha = self.memory_rate
-        if alpha > 0:
-            msg, up = self.compress_all(k_comp, h - extra.eta_clients)
-            total = jnp.sum(msg, 0)
-            g = extra.eta + total
-            extra = extra._replace(
-                eta_clients=extra.eta_clients + alpha * msg, eta=extra.eta + alpha * total
-            )
-        else:
-            msg, up = self.compress_all(k_comp, h)
-            g = jnp.sum(msg, 0)
-        g = g + offset + self.potential.server_grad(x)
-        x_new = langevin_move(noise_key, x, g, self._step_size)
-        return x_new, extra, up, self.broadcast_bits(data)
-
-    def _partial_step(self, key, noise_key, i, x, extra, data):
-        """One round with partial participation: clients in :math:`S_k` (drawn by
-        :func:`~numpyro_fed.algorithms.participation.participation_mask`) send
-        :math:`g_i = \\mathcal{C}(H_i - \\eta_i)`; the server uses
-        :math:`g = \\eta + (b/|S_k|)\\sum_{i\\in S_k} g_i` and only the senders update their
-        memory. The QLSD++ control variates :math:`\\nabla U_i(\\zeta_k)` are deterministic,
-        so a client absent at a refresh computes the same value when it next takes part."""
-        b = data.num_clients
-        k_batch, k_comp = random.split(key)
-        mask = participation_mask(key, self.participation, b)
-        h, offset, extra = self.client_messages(k_batch, i, x, extra, data)
-        alpha = self.memory_rate
-        centred = h - extra.eta_clients if alpha > 0 else h
-        msg, up = self.compress_all(k_comp, centred, mask=mask)
-        weights = ratio_weights(mask).astype(msg.dtype)
-        g = jnp.sum(weights[:, None] * msg, 0)
-        if alpha > 0:
-            applied = jnp.where(mask[:, None], msg, 0.0)
-            g = g + extra.eta
-            extra = extra._replace(
-                eta_clients=extra.eta_clients + alpha * applied,
-                eta=extra.eta + alpha * jnp.sum(applied, 0),
-            )
-        g = g + offset + self.potential.server_grad(x)
-        x_new = langevin_move(noise_key, x, g, self._step_size)
+            mask = participation_mask(key, self.participation, data.num_clients)
+        est_state = ()
+        if est.refresh_every is not None:  # QLSD++ with minibatches: the control point
+            est_state = est.step_state(
+                oracle, i, x, estimators.SVRGState(extra.zeta, extra.grad_zeta, extra.refreshes))
+            extra = extra._replace(zeta=est_state.zeta, grad_zeta=est_state.grad_zeta,
+                                   refreshes=est_state.refreshes)
+        h = est.estimate(oracle, k_batch, x, est_state)
+        decoded, up = self.compress_all(k_comp, core.client_message(h, extra.eta_clients, alpha),
+                                        mask=mask)
+        g, eta = core.server_aggregate(decoded, extra.eta, alpha, mask)
+        applied = decoded if mask is None else jnp.where(mask[:, None], decoded, 0.0)
+        extra = extra._replace(eta_clients=core.client_commit(extra.eta_clients, applied, alpha),
+                               eta=eta)
+        x_new = core.server_move(noise_key, x, g, est.offset, self.potential.server_grad(x),
+                                 self._step_size)
+        if mask is None:
+            return x_new, extra, up, self.broadcast_bits(data)
         down = self.count_clients_bits(mask, 32 * self.potential.dim)
         return x_new, extra._replace(participants=mask), up, down
 

@@ -1,0 +1,139 @@
+"""One client's gradient oracles (:class:`ClientProblem`): the
+:class:`~numpyro_fed.algorithms.estimators.ClientOracle` of a deployed client.
+
+In process, a kernel computes every client's oracle at once, ``vmap``-ed over the padded
+client axis, with client ``i`` drawing its minibatch from the words ``(i, j)`` of the step's
+batch key (:func:`~numpyro_fed.potential.client_bits`) and compressing with
+``random.split(k, b)[i]``. :class:`ClientProblem` computes the same quantities for a single
+client that holds only its own (unpadded) rows -- what a Flower ``ClientApp`` runs -- with
+the same random keys, so a deployment reproduces the in-process chain up to floating-point
+summation order (masked sums over ``N_max`` padded rows in process, plain sums over ``N_i``
+rows here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import random
+
+from numpyro_fed._validation import check_int
+from numpyro_fed.partition import ClientPartition
+from numpyro_fed.potential import FederatedPotential, batch_indices
+
+__all__ = ["ClientProblem", "client_key", "batch_indices"]  # batch_indices re-exported
+
+#: Compiled client programs shared by the clients of one process that have the same model,
+#: row schema and ``N_max`` (a loopback run or a simulation hosts all ``b`` clients in one
+#: process: the data are arguments, so they compile once, not ``b`` times). Small LRU.
+_PROGRAMS: dict[tuple, tuple[Callable, Callable, Callable]] = {}
+_PROGRAMS_MAX = 8
+
+
+def _programs(pot: FederatedPotential, model: Callable, rows: Mapping[str, Any],
+              shared: Mapping[str, Any] | None, max_rows: int) -> tuple:
+    """Jitted ``full_grad(theta, rows, mask, tau, w)``, ``batch_grad(key, index, theta, rows,
+    size, tau, w, n)`` and ``batch_grad_diff(key, index, theta, zeta, rows, size, tau, w, n)``
+    of ``pot``'s model (cached by model, row schema and ``max_rows`` when there are no shared
+    arguments, which the compiled programs would hold as constants)."""
+    schema = tuple(sorted((k, str(v.dtype), tuple(v.shape[1:])) for k, v in rows.items()))
+    key = (model, schema, max_rows)
+    if not shared and key in _PROGRAMS:
+        _PROGRAMS[key] = _PROGRAMS.pop(key)  # most recently used last
+        return _PROGRAMS[key]
+
+    def full_grad(theta, rows, mask, tau, w):
+        g = jax.grad(pot._client_lik_potential)(theta, rows, mask, tau)
+        return g + w * pot.prior_grad(theta)
+
+    def batch(key, index, rows, size, n):
+        return jax.tree.map(lambda a: a[batch_indices(key, index, size, n, max_rows)], rows)
+
+    def batch_grad(key, index, theta, rows, size, tau, w, n):
+        r = batch(key, index, rows, size, n)
+        g = jax.grad(pot._client_batch_potential)(theta, r, size, tau, n)
+        return g + w * pot.prior_grad(theta)
+
+    def batch_grad_diff(key, index, theta, zeta, rows, size, tau, w, n):
+        r = batch(key, index, rows, size, n)
+        grad_fn = jax.grad(pot._client_batch_potential)
+        g = grad_fn(theta, r, size, tau, n) - grad_fn(zeta, r, size, tau, n)
+        return g + w * (pot.prior_grad(theta) - pot.prior_grad(zeta))
+
+    progs = (jax.jit(full_grad), jax.jit(batch_grad, static_argnums=7),
+             jax.jit(batch_grad_diff, static_argnums=8))
+    if not shared:
+        _PROGRAMS[key] = progs
+        while len(_PROGRAMS) > _PROGRAMS_MAX:
+            _PROGRAMS.pop(next(iter(_PROGRAMS)))
+    return progs
+
+
+def client_key(key: jax.Array, index: int, num_clients: int) -> jax.Array:
+    """Client ``index``'s key of a per-client split: ``random.split(key, b)[index]``, as the
+    kernels' vmapped oracles and compressions use it."""
+    return random.split(key, num_clients)[index]
+
+
+class ClientProblem:
+    """One client's potential :math:`U_i` and gradient oracles (QLSD Alg. 1-2, ELF Alg. 1).
+
+    :math:`U_i(\\theta) = -\\tau \\sum_{j\\le N_i} \\log p(y_{ij}\\mid\\theta) - w\\,[\\log
+    p(\\theta) + \\log|J(\\theta)|]` with the client's likelihood weight :math:`\\tau` and prior
+    share :math:`w` (see :class:`~numpyro_fed.potential.FederatedPotential`).
+
+    :param model: the NumPyro model (keyword arguments only).
+    :param rows: the client's data, arrays with a leading row axis ``N_i``.
+    :param prior_weight: the client's share :math:`w_i` of the prior.
+    :param likelihood_weight: :math:`\\tau_i`.
+    :param shared: non-row model keyword arguments.
+    :param max_size: ``N_max``, the largest client size of the federation (it selects the
+        index-sampling scheme of :meth:`~numpyro_fed.potential.FederatedPotential.sample_batch`;
+        default: this client's size).
+    :param index: this client's position ``i`` in the federation (its minibatch words are
+        those of client ``i`` under the step's batch key).
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        rows: Mapping[str, Any],
+        *,
+        prior_weight: float,
+        likelihood_weight: float = 1.0,
+        shared: Mapping[str, Any] | None = None,
+        max_size: int | None = None,
+        index: int = 0,
+    ) -> None:
+        index = check_int("index", index, minimum=0)
+        part = ClientPartition.from_clients([dict(rows)], shared=shared)
+        self.potential = pot = FederatedPotential(model, part, prior="split", check=False)
+        self.rows = {k: v[0] for k, v in part.data.items()}
+        self.size = jnp.asarray(part.sizes)[0]
+        self.mask = jnp.ones((int(part.sizes_np[0]),), bool)
+        self.tau = jnp.asarray(np.float64(likelihood_weight))
+        self.w = jnp.asarray(np.float64(prior_weight))
+        self.dim = pot.dim
+        max_rows = int(part.sizes_np[0]) if max_size is None else int(max_size)
+        full_grad, batch_grad, batch_grad_diff = _programs(pot, model, self.rows, shared,
+                                                           max_rows)
+        self.index = int(index)
+        rows_, size, mask, tau, w = self.rows, self.size, self.mask, self.tau, self.w
+        i = jnp.asarray(self.index, jnp.int32)
+        self.full_grad = lambda theta: full_grad(theta, rows_, mask, tau, w)
+        self.batch_grad = lambda key, theta, n: batch_grad(key, i, theta, rows_, size, tau, w, n)
+        self.batch_grad_diff = lambda key, theta, zeta, n: batch_grad_diff(
+            key, i, theta, zeta, rows_, size, tau, w, n
+        )
+
+    def oracle(self, key: jax.Array, theta: jax.Array, batch_size: int | None) -> jax.Array:
+        """:math:`H_i(\\theta)`: exact gradient, or the minibatch oracle drawn from the
+        step's batch key ``k_batch`` (shared by all clients; this client uses its own words of
+        it, see :func:`~numpyro_fed.potential.client_bits`)."""
+        if batch_size is None:
+            return self.full_grad(theta)
+        return self.batch_grad(key, theta, batch_size)
