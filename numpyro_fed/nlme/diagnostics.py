@@ -43,6 +43,7 @@ from jax import random
 from numpyro_fed._validation import check_int
 from numpyro_fed.nlme.data import Doses, PKDataset
 from numpyro_fed.nlme.transforms import TRANSFORMS
+from numpyro_fed.saem import likelihood as lik
 
 __all__ = ["NLMEFit"]
 
@@ -126,8 +127,6 @@ class NLMEFit:
         individual parameters ``{name: (n,)}`` (random ones only), by damped Newton from the
         conditional means (:func:`numpyro_fed.saem.likelihood.conditional_modes`)."""
         if self._modes is None:
-            from numpyro_fed.saem import likelihood as lik
-
             res = self.result
             info = res.info
             zs = jnp.asarray(res.z_draws)

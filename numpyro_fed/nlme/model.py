@@ -52,8 +52,10 @@ import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
 from numpyro_fed.nlme.data import Doses, PKDataset
+from numpyro_fed.nlme.diagnostics import NLMEFit
 from numpyro_fed.nlme.error import ErrorModel
 from numpyro_fed.nlme.transforms import TRANSFORMS
+from numpyro_fed.saem import SAEM
 
 __all__ = ["Param", "PKModel", "TRANSFORMS", "COVARIATE_KINDS"]
 
@@ -358,9 +360,6 @@ class PKModel:
         :param saem_kwargs: passed to :class:`~numpyro_fed.saem.SAEM`; ``init_params``,
             ``progress_bar`` go to :meth:`~numpyro_fed.saem.SAEM.run`.
         """
-        from numpyro_fed.nlme.diagnostics import NLMEFit
-        from numpyro_fed.saem import SAEM
-
         run_kw = {k: saem_kwargs.pop(k) for k in ("init_params", "progress_bar")
                   if k in saem_kwargs}
         arrays = self.arrays(data)

@@ -55,6 +55,7 @@ from numpyro_fed.saem.mstep import (
     UserMStep,
     detect_gaussian,
 )
+from numpyro_fed.saem.result import SAEMResult
 from numpyro_fed.saem.schedule import Schedule
 
 __all__ = ["SAEM", "SAEMState", "fit_saem"]
@@ -545,8 +546,6 @@ class SAEM:
         :param model_kwargs: keyword arguments of the model (data).
         :return: a :class:`~numpyro_fed.saem.SAEMResult`.
         """
-        from numpyro_fed.saem.result import SAEMResult
-
         if not (isinstance(rng_key, jax.Array) and (
                 jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
                 or (rng_key.dtype == jnp.uint32 and rng_key.shape == (2,)))):

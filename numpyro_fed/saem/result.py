@@ -11,7 +11,15 @@ import numpy as np
 from jax import random
 
 from numpyro_fed.saem import likelihood as lik
-from numpyro_fed.saem.model import ModelInfo, SubjectLayout, jit_loop, joint_layout
+from numpyro_fed.saem.model import (
+    ModelInfo,
+    SubjectLayout,
+    centred_score_hess,
+    jit_loop,
+    joint_layout,
+    merge_data,
+    split_data,
+)
 
 __all__ = ["SAEMResult", "ConvergenceWarning"]
 
@@ -64,8 +72,6 @@ class SAEMResult:
     def _program(self, name: str, build):
         """A compiled ``f(arrays, ids, *args)`` of ``build(args, kwargs)``, cached per
         structure and name."""
-        from numpyro_fed.saem.model import merge_data, split_data
-
         arrays, static = split_data(self.args, self.kwargs)
         key = (name, repr(static))
         prog = self._programs.get(key)
@@ -98,8 +104,6 @@ class SAEMResult:
         if self.centring is None:
             raise ValueError("Standard errors need SAEM(..., fisher=True).")
         if self._fisher is None:
-            from numpyro_fed.saem.model import centred_score_hess
-
             info = self.info
 
             def build(args, kwargs, ids):
