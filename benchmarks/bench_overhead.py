@@ -121,7 +121,8 @@ def fused_federated(kern, steps: int, chains: int, with_bits: bool = False):
 
     Keys are split as in the kernels. The iteration counter is shared by the chains (QLSD++'s
     refresh stays a real ``lax.cond``). Returns a compiled no-argument runner."""
-    return compiled_scan(*fused_federated_fn(kern, steps, chains, with_bits))
+    fn, args = fused_federated_fn(kern, steps, chains, with_bits)
+    return compiled_scan(fn, *args)
 
 
 def fused_federated_fn(kern, steps: int, chains: int, with_bits: bool = False):

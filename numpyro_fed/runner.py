@@ -41,6 +41,7 @@ has an extended dtype (typed PRNG keys).
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -157,6 +158,33 @@ def _build_loop(sampler, user_postprocess: Callable | None, vector_chains: int |
                  {})
 
 
+def _arg_key(x):
+    """Cache key of one model argument: a JAX array (immutable) by identity, a numpy array
+    by identity *and content* (it is baked into the loop as a constant, and numpy arrays can be
+    changed in place between runs), anything else by value."""
+    if isinstance(x, np.ndarray):
+        digest = hashlib.blake2b(np.ascontiguousarray(x).tobytes(), digest_size=16).digest()
+        return (id(x), x.shape, x.dtype.str, digest)
+    return _hashable(x)
+
+
+def _settings(sampler) -> tuple:
+    """The kernel's attributes that are hashed by value (numbers, strings, flags, frozen
+    dataclasses, tuples of those): a changed step size, variant or bit budget is a new loop.
+    Arrays and functions are left out (arrays: the kernel's own state after ``init``, such as
+    QLSD*'s :math:`\\theta^\\star`; functions: rebuilt by every ``init`` of NumPyro's HMC)."""
+    out = []
+    for name, value in sorted(vars(sampler).items()):
+        if callable(value) or type(value).__hash__ in (None, object.__hash__):
+            continue
+        try:
+            hash(value)
+        except TypeError:
+            continue
+        out.append((name, value))
+    return tuple(out)
+
+
 def _signature(tree) -> tuple:
     leaves, treedef = jax.tree.flatten(tree)
     return treedef, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in leaves)
@@ -185,8 +213,11 @@ class CachedMCMC(MCMC):
     :param compiler_options: XLA options of the compiled sampling loop: ``"auto"`` (default)
         is :data:`LOOP_COMPILER_OPTIONS` when JAX's default backend is the CPU and none
         otherwise; ``None`` or ``{}`` keeps XLA's defaults (the program ``MCMC`` compiles).
-        The draws do not depend on them beyond floating-point rounding (none seen in the
-        tests: same draws as ``MCMC``, bit for bit).
+        The draws do not depend on them beyond floating-point rounding: with ``None`` they
+        are ``MCMC``'s bit for bit; with other options than those ``MCMC`` compiles with
+        (its default, or ``XLA_FLAGS``) the last bits of a float32 chain can differ (seen in
+        the tests: 1e-7 relative over 20 QLSD steps; NUTS, whose trajectories amplify them,
+        gives visibly different draws of the same posterior), as between two XLA versions.
     :param kwargs: :class:`numpyro.infer.MCMC`'s arguments (``num_warmup``,
         ``num_samples``, ``num_chains``, ``thinning``, ``postprocess_fn``, ``chain_method``,
         ``progress_bar``, ``jit_model_args``).
@@ -213,11 +244,12 @@ class CachedMCMC(MCMC):
         if self._jit_model_args:
             model = None
         else:
-            model = (jax.tree.map(_hashable, args),
-                     jax.tree.map(_hashable, tuple(sorted(kwargs.items()))))
+            model = (jax.tree.map(_arg_key, args),
+                     jax.tree.map(_arg_key, tuple(sorted(kwargs.items()))))
         # num_warmup: kernels may read it at trace time (MALA's adaptation schedule, HMC's
         # windows), where the loop's shapes do not show it
-        key = (id(self.sampler), int(self.num_warmup), id(self.postprocess_fn), vector,
+        key = (id(self.sampler), _settings(self.sampler), int(self.num_warmup),
+               id(self.postprocess_fn), vector,
                self._jit_model_args, model, tuple(collect_fields), tuple(remove_sites),
                tuple(sorted(self.compiler_options.items())))
         try:
@@ -235,7 +267,7 @@ class CachedMCMC(MCMC):
             if entry is not None and entry.sampler is self.sampler:
                 _CACHE.move_to_end(key)
                 return entry
-        vector = key[3]
+        vector = key[4]
         entry = _build_loop(self.sampler, self.postprocess_fn, vector, self._jit_model_args,
                             args, kwargs, tuple(collect_fields), tuple(remove_sites),
                             self.compiler_options)
@@ -249,15 +281,17 @@ class CachedMCMC(MCMC):
         if (_numpyro_util._is_under_jax_transform() or _numpyro_util._DISABLE_CONTROL_FLOW_PRIM
                 or self.sampler.is_ensemble_kernel):
             return super()._single_chain_mcmc(init, args, kwargs, collect_fields, remove_sites)
-        loop = self._loop(args, kwargs, collect_fields, remove_sites)
-        if loop is None:
-            return super()._single_chain_mcmc(init, args, kwargs, collect_fields, remove_sites)
         rng_key, init_state, init_params = init
-        # as MCMC._single_chain_mcmc: (re)initialise unless the kernel keeps a sample fn
+        # as MCMC._single_chain_mcmc: (re)initialise unless the kernel keeps a sample fn;
+        # before the cache key, which reads the kernel's settings as ``init`` leaves them
         if init_state is None or getattr(self.sampler, "_sample_fn", None) is None:
             new_state = self.sampler.init(rng_key, self.num_warmup, init_params,
                                           model_args=args, model_kwargs=kwargs)
             init_state = new_state if init_state is None else init_state
+        loop = self._loop(args, kwargs, collect_fields, remove_sites)
+        if loop is None:
+            return super()._single_chain_mcmc((rng_key, init_state, init_params), args,
+                                              kwargs, collect_fields, remove_sites)
         init_val = (init_state, args, kwargs) if self._jit_model_args else (init_state,)
         params = self._collection_params
         lower, upper = params["lower"], params["upper"]
@@ -270,7 +304,8 @@ class CachedMCMC(MCMC):
             loop.shapes[sig] = item
         if any(jax.dtypes.issubdtype(s.dtype, jax.dtypes.extended)
                for s in jax.tree.leaves(item)):
-            return super()._single_chain_mcmc(init, args, kwargs, collect_fields, remove_sites)
+            return super()._single_chain_mcmc((rng_key, init_state, init_params), args,
+                                              kwargs, collect_fields, remove_sites)
         collection = jax.tree.map(lambda s: np.zeros((size, *s.shape), s.dtype), item)
         start_idx = lower + (upper - lower) % self.thinning
         if self.progress_bar and upper > 0:

@@ -52,7 +52,7 @@ def test_run_all_smoke(run_all, tmp_path):
     for row in ("| QLSD++ | smoke | 20 | MCMC |", "| B-ELF | smoke | 20 | CachedMCMC |",
                 "| B-ELF | smoke | 20 |"):
         assert row in ttfd
-    assert "ours / numpy end to end: K=20: max " in summary
+    assert "ours / numpy end to end: K=20: CachedMCMC max " in summary
     assert (tmp_path / "summary.md").exists()
 
 
