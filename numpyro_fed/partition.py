@@ -484,7 +484,7 @@ class ClientPartition:
 
     def pooled(self) -> dict[str, np.ndarray]:
         """Return all clients' unpadded rows concatenated in client order."""
-        mask = np.asarray(self.mask)
+        mask = np.arange(self.max_size)[None, :] < self.sizes_np[:, None]
         return {k: np.asarray(v)[mask] for k, v in self.data.items()}
 
     @property

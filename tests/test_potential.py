@@ -236,3 +236,76 @@ def test_minibatch_indices_are_uniform_multiply_shift():
         # each count ~ Binomial(20000, 1/n): within 5 sds of its mean
         sd = np.sqrt(20_000 / n * (1 - 1 / n))
         assert np.all(np.abs(counts - 20_000 / n) < 5 * sd), counts
+
+
+# ------------------------------------------- model analysis in one compiled program (issue 16)
+def _compilations(fn):
+    """Number of XLA compilations (``jax.monitoring``) while ``fn()`` runs, and its value."""
+    from jax._src import monitoring
+
+    names = []
+
+    def listen(event, duration, fun_name="", **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(fun_name)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        out = fn()
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    return len(names), out
+
+
+def test_initialisation_is_one_program_and_equals_numpyro():
+    """NumPyro's initialize_model run eagerly compiles each of its operations (96 programs
+    for this construction before): FederatedPotential runs it under one jit. The initial
+    point is NumPyro's eager one (same key, same draw; float32 rounding aside)."""
+    from numpyro.infer.initialization import init_to_uniform
+    from numpyro.infer.util import initialize_model
+
+    part = make_partition()
+    # a model of its own (no program of it compiled by another test of this worker)
+    def model(X, g, y=None):
+        rich_model(X, g, y)
+        numpyro.sample("nu", dist.Gamma(3.0, 1.0))
+
+    n, pot = _compilations(lambda: FederatedPotential(model, part))
+    assert n <= 12, n
+    key = random.PRNGKey(5)
+    ours = pot.init_params(key)
+    eager = initialize_model(key, model, model_kwargs=pot._pooled_kwargs,
+                             init_strategy=init_to_uniform).param_info.z
+    np.testing.assert_allclose(ours, pot.ravel(eager), rtol=1e-6, atol=1e-6)
+
+
+def test_initialisation_falls_back_to_numpyro_where_it_must():
+    """A support that depends on the data (its transform would hold tracers of the compiled
+    program) and a model with no valid initial point take NumPyro's eager path: the right
+    transform, NumPyro's RuntimeError."""
+    from numpyro_fed.potential import _initialize
+
+    y = np.linspace(0.5, 3.0, 12)
+
+    def bounded(y, top):
+        s = numpyro.sample("s", dist.Uniform(0.0, jnp.asarray(top) + 1.0))  # computed bound
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(s, 1.0), obs=y)
+
+    info = _initialize(random.PRNGKey(0), bounded, {"y": y, "top": 3.0},
+                       numpyro.infer.init_to_uniform)
+    z = info.param_info.z["s"]
+    assert not isinstance(z, jax.core.Tracer) and np.isfinite(z)
+    pot = FederatedPotential(bounded, ClientPartition.from_clients(
+        [{"y": y[:5]}, {"y": y[5:]}], shared={"top": 3.0}))
+    # the transform of Uniform(0, 4): a large unconstrained value maps next to 4
+    assert float(pot.constrain(jnp.array([50.0]))["s"]) == pytest.approx(4.0, rel=1e-5)
+
+    def hopeless(y):
+        s = numpyro.sample("s", dist.Normal(0.0, 1.0))
+        numpyro.factor("nan", jnp.nan * s)
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(s, 1.0), obs=y)
+
+    with pytest.raises(RuntimeError, match="Cannot find valid initial parameters"):
+        _initialize(random.PRNGKey(0), hopeless, {"y": y}, numpyro.infer.init_to_uniform)
