@@ -341,11 +341,15 @@ class FederatedPotential:
         # --- structure of the model: latent sites, transforms, deterministic sites -------
         pooled = {**partition.pooled(), **self.shared}
         self._pooled_kwargs = pooled
+        # compiled initialisers per init strategy (:meth:`init_params`); the analysis below
+        # uses the default one, which the kernels' ``init`` then reuses
+        init_first = _Initializer(model, pooled, init_to_uniform)
+        self._initializers: dict[int, _Initializer] = {id(init_to_uniform): init_first}
         try:
             with warnings.catch_warnings():  # discrete latents are refused below
                 warnings.filterwarnings("ignore", "Some algorithms will automatically enumerate",
                                         FutureWarning)
-                info = _initialize(random.PRNGKey(0), model, pooled, init_to_uniform)
+                info = init_first(random.PRNGKey(0))
         except Exception:
             self._check_sites(info=None)  # a clearer error for the common causes, if any
             raise
@@ -405,6 +409,7 @@ class FederatedPotential:
         view = copy.copy(self)
         view.shared = {**self.shared, **kwargs}
         view._pooled_kwargs = {**self._pooled_kwargs, **kwargs}
+        view._initializers = {}  # theirs bake in the kwargs of this potential
         return view
 
     # ------------------------------------------------------------------ pure functions
@@ -595,8 +600,13 @@ class FederatedPotential:
                     f"{list(self.latent_names)}."
                 )
             init_strategy = init_to_value(values=dict(init_params))
-        info = _initialize(rng_key, self.model, self._pooled_kwargs, init_strategy)
-        return self.ravel(info.param_info.z)
+            init = _Initializer(self.model, self._pooled_kwargs, init_strategy)
+        else:  # one compiled program per strategy, for every chain and run
+            init = self._initializers.get(id(init_strategy))
+            if init is None or init.init_strategy is not init_strategy:
+                init = _Initializer(self.model, self._pooled_kwargs, init_strategy)
+                self._initializers[id(init_strategy)] = init
+        return self.ravel(init(rng_key).param_info.z)
 
     def unconstrain(self, values: Mapping[str, Any]) -> Array:
         """Flat unconstrained vector of *constrained* latent values (e.g. a user's MAP)."""
@@ -852,10 +862,9 @@ class FederatedPotential:
         return tuple(global_sites)
 
 
-def _initialize(rng_key: Array, model: Callable, model_kwargs: dict,
-                init_strategy: Callable) -> Any:
-    """NumPyro's ``initialize_model(rng_key, model, model_kwargs=..., init_strategy=...)``
-    with its computations in one compiled program.
+class _Initializer:
+    """NumPyro's ``initialize_model(key, model, model_kwargs=..., init_strategy=...)`` with
+    its computations in one compiled program, compiled once per model, data and strategy.
 
     Run eagerly, ``initialize_model`` compiles each of its operations (the model, the
     transforms, the potential and its gradient: 60-100 small programs) one by one, 2-3 s on a
@@ -870,29 +879,45 @@ def _initialize(rng_key: Array, model: Callable, model_kwargs: dict,
     hold tracers), and when no valid initial point was found (so that NumPyro raises its
     ``RuntimeError`` with its site-by-site diagnosis).
     """
-    box: dict[str, Any] = {}
 
-    def run(key):
-        info = initialize_model(key, model, model_kwargs=model_kwargs,
-                                init_strategy=init_strategy)
-        box["info"] = info
+    def __init__(self, model: Callable, model_kwargs: dict, init_strategy: Callable) -> None:
+        self.model, self.model_kwargs, self.init_strategy = model, model_kwargs, init_strategy
+        self.info: Any = None  # the traced ModelInfo (structure only)
+        self.compiled: bool | None = None  # None: not tried yet
+        self._program = jax.jit(self._run, compiler_options=_ONCE_COMPILER_OPTIONS)
+
+    def _run(self, key):
+        info = initialize_model(key, self.model, model_kwargs=self.model_kwargs,
+                                init_strategy=self.init_strategy)
+        self.info = info
         pe, grad = info.param_info.potential_energy, info.param_info.z_grad
         valid = jnp.isfinite(pe) & jnp.all(jnp.stack(
             [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grad)] or [jnp.array(True)]))
         return info.param_info.z, valid
 
-    try:
-        z, valid = jax.jit(run, compiler_options=_ONCE_COMPILER_OPTIONS)(rng_key)
-        info = box["info"]
-        traced = any(isinstance(leaf, jax.core.Tracer)
-                     for leaf in jax.tree.leaves(_inverse_transforms(info)))
-    except Exception:  # noqa: BLE001 -- the eager call below gives NumPyro's own result/error
-        traced, valid = True, False
-    if traced or not bool(valid):
-        return initialize_model(rng_key, model, model_kwargs=model_kwargs,
-                                init_strategy=init_strategy)
-    return info._replace(param_info=info.param_info._replace(z=z, potential_energy=None,
-                                                             z_grad=None))
+    def __call__(self, rng_key: Array) -> Any:
+        valid = False
+        if self.compiled is not False:
+            try:
+                z, valid = self._program(rng_key)
+                if self.compiled is None:
+                    self.compiled = not any(
+                        isinstance(leaf, jax.core.Tracer)
+                        for leaf in jax.tree.leaves(_inverse_transforms(self.info)))
+            except Exception:  # noqa: BLE001 -- the eager call below: NumPyro's result/error
+                self.compiled = False
+        if not self.compiled or not bool(valid):
+            return initialize_model(rng_key, self.model, model_kwargs=self.model_kwargs,
+                                    init_strategy=self.init_strategy)
+        info = self.info
+        return info._replace(param_info=info.param_info._replace(z=z, potential_energy=None,
+                                                                 z_grad=None))
+
+
+def _initialize(rng_key: Array, model: Callable, model_kwargs: dict,
+                init_strategy: Callable) -> Any:
+    """:class:`_Initializer` for one call."""
+    return _Initializer(model, model_kwargs, init_strategy)(rng_key)
 
 
 def _inverse_transforms(info) -> dict:

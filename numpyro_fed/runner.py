@@ -55,6 +55,8 @@ from numpyro.infer import MCMC
 from numpyro.infer.mcmc import _collect_and_postprocess, _hashable
 from numpyro.util import is_prng_key
 
+from numpyro_fed.kernels.base import value_settings
+
 __all__ = ["CachedMCMC", "LOOP_COMPILER_OPTIONS", "MAX_LOOPS", "clear_cache", "cached_loops"]
 
 #: most compiled sampling loops kept by the process-wide cache
@@ -168,23 +170,6 @@ def _arg_key(x):
     return _hashable(x)
 
 
-def _settings(sampler) -> tuple:
-    """The kernel's attributes that are hashed by value (numbers, strings, flags, frozen
-    dataclasses, tuples of those): a changed step size, variant or bit budget is a new loop.
-    Arrays and functions are left out (arrays: the kernel's own state after ``init``, such as
-    QLSD*'s :math:`\\theta^\\star`; functions: rebuilt by every ``init`` of NumPyro's HMC)."""
-    out = []
-    for name, value in sorted(vars(sampler).items()):
-        if callable(value) or type(value).__hash__ in (None, object.__hash__):
-            continue
-        try:
-            hash(value)
-        except TypeError:
-            continue
-        out.append((name, value))
-    return tuple(out)
-
-
 def _signature(tree) -> tuple:
     leaves, treedef = jax.tree.flatten(tree)
     return treedef, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in leaves)
@@ -248,7 +233,7 @@ class CachedMCMC(MCMC):
                      jax.tree.map(_arg_key, tuple(sorted(kwargs.items()))))
         # num_warmup: kernels may read it at trace time (MALA's adaptation schedule, HMC's
         # windows), where the loop's shapes do not show it
-        key = (id(self.sampler), _settings(self.sampler), int(self.num_warmup),
+        key = (id(self.sampler), value_settings(self.sampler), int(self.num_warmup),
                id(self.postprocess_fn), vector,
                self._jit_model_args, model, tuple(collect_fields), tuple(remove_sites),
                tuple(sorted(self.compiler_options.items())))

@@ -57,6 +57,7 @@ from numpyro_fed.kernels.base import (
     check_step_size,
     langevin_move,
     split_chain_keys,
+    value_settings,
 )
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential
@@ -618,6 +619,8 @@ class FederatedKernel(MCMCKernel):
         self._postprocess_det = postprocess_deterministic
         self._vectorized = False
         self._model = potential.pooled_model()
+        #: compiled programs of this kernel (its ``init``), see :meth:`init`
+        self._programs: dict = {}
 
     # -- NumPyro kernel protocol ---------------------------------------------------------
     @property
@@ -735,7 +738,7 @@ class FederatedKernel(MCMCKernel):
         data = self.partition
         self._num_warmup = int(num_warmup)
 
-        def init_one(x, key):
+        def init_one(x, key, data):
             # the chain key itself is left untouched (as in ULA), so that with equal
             # gradients federated and centralised chains are identical
             extra, up, down = kern.init_extra(random.fold_in(key, 2), x, data)
@@ -746,10 +749,23 @@ class FederatedKernel(MCMCKernel):
                 totals_add(totals_zeros(), up, down), extra, key, data, self._guard(), energy,
             )
 
-        if self._vectorized:
-            axes = self._state_axes()
-            return jax.vmap(init_one, in_axes=(0, 0), out_axes=axes)(x0, rng_key)
-        return init_one(x0, rng_key)
+        # one compiled program (run eagerly, the algorithm's initial round -- ELF's full
+        # gradients, U(x0) -- compiles each of its operations: ~130 programs, 4-5 s on a
+        # 2-core CPU for B-ELF on the 20 x 500 x 20 toy); kept per kernel (not for a view
+        # bound to run-time model arguments, whose potential is new at every call)
+        # (copies of a kernel share the dict: the entry holds the kernel and its potential)
+        key = ("init", self._vectorized, value_settings(self))
+        entry = self._programs.get(key) if kern is self else None
+        if entry is None or entry[0] is not self or entry[1] is not pot:
+            if self._vectorized:
+                axes = self._state_axes()
+                fn = jax.vmap(init_one, in_axes=(0, 0, None), out_axes=axes)
+            else:
+                fn = init_one
+            entry = (self, pot, jax.jit(fn))
+            if kern is self:
+                self._programs[key] = entry
+        return entry[2](x0, rng_key, data)
 
     def sample(self, state, model_args, model_kwargs):
         kern = self._bound(model_kwargs)
