@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     p.add_argument("--repeats", type=int, default=2,
                    help="interleaved repeats (fresh processes); the minimum is kept")
-    p.add_argument("--numpy-max-steps", type=int, default=10_000,
+    p.add_argument("--numpy-max-steps", type=int, default=2_000,
                    help="numpy runs longer than this are timed at this length and "
                         "extrapolated linearly (a numpy step costs the same at every step)")
     p.add_argument("--ss-steps", type=int, default=2000,
@@ -505,7 +505,7 @@ Notes. (i) Interpreter start-up and `import jax, numpyro, numpyro_fed` (about 1-
 not counted on our side, `import numpy` not on numpy's. (ii) 'kernel build' is the kernel's
 construction (the `FederatedPotential` analysis of the model; 'of which JAX': its tracing and
 compilation); 'run: ...' split `MCMC.run` + `get_samples`: 'init + sampling + Python' is what
-is left after tracing, lowering and compilation: the kernel's `init` (eager, op by op), the
+is left after tracing, lowering and compilation: the kernel's `init` (one compiled program), the
 compiled sampling loop and NumPyro's bookkeeping. 'programs compiled' counts XLA
 compilations of the whole first run, construction included (each eager operation is one).
 (iii) The second run uses the same kernel object and shapes in a new `MCMC`; NumPyro 0.22
