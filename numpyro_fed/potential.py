@@ -884,10 +884,22 @@ class _Initializer:
         self.model, self.model_kwargs, self.init_strategy = model, model_kwargs, init_strategy
         self.info: Any = None  # the traced ModelInfo (structure only)
         self.compiled: bool | None = None  # None: not tried yet
+        # the data arrays are arguments of the program, not constants (a constant is copied
+        # into the program: 1000 x 70 000 rows would take minutes to compile); scalars and
+        # other leaves stay Python values
+        leaves, self._treedef = jax.tree.flatten(model_kwargs)
+        self._is_array = [isinstance(v, (np.ndarray, jax.Array)) and np.ndim(v) > 0
+                          for v in leaves]
+        self._leaves = leaves
+        self._arrays = [v for v, a in zip(leaves, self._is_array, strict=True) if a]
         self._program = jax.jit(self._run, compiler_options=_ONCE_COMPILER_OPTIONS)
 
-    def _run(self, key):
-        info = initialize_model(key, self.model, model_kwargs=self.model_kwargs,
+    def _run(self, key, arrays):
+        it = iter(arrays)
+        leaves = [next(it) if a else v
+                  for v, a in zip(self._leaves, self._is_array, strict=True)]
+        model_kwargs = jax.tree.unflatten(self._treedef, leaves)
+        info = initialize_model(key, self.model, model_kwargs=model_kwargs,
                                 init_strategy=self.init_strategy)
         self.info = info
         pe, grad = info.param_info.potential_energy, info.param_info.z_grad
@@ -899,7 +911,7 @@ class _Initializer:
         valid = False
         if self.compiled is not False:
             try:
-                z, valid = self._program(rng_key)
+                z, valid = self._program(rng_key, self._arrays)
                 if self.compiled is None:
                     self.compiled = not any(
                         isinstance(leaf, jax.core.Tracer)
