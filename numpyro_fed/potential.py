@@ -926,12 +926,6 @@ class _Initializer:
                                                                  z_grad=None))
 
 
-def _initialize(rng_key: Array, model: Callable, model_kwargs: dict,
-                init_strategy: Callable) -> Any:
-    """:class:`_Initializer` for one call."""
-    return _Initializer(model, model_kwargs, init_strategy)(rng_key)
-
-
 def _inverse_transforms(info) -> dict:
     """Bijections unconstrained -> constrained of every latent site of a model trace."""
     from numpyro.distributions.transforms import biject_to

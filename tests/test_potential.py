@@ -283,7 +283,7 @@ def test_initialisation_falls_back_to_numpyro_where_it_must():
     """A support that depends on the data (its transform would hold tracers of the compiled
     program) and a model with no valid initial point take NumPyro's eager path: the right
     transform, NumPyro's RuntimeError."""
-    from numpyro_fed.potential import _initialize
+    from numpyro_fed.potential import _Initializer
 
     y = np.linspace(0.5, 3.0, 12)
 
@@ -292,8 +292,8 @@ def test_initialisation_falls_back_to_numpyro_where_it_must():
         with numpyro.plate("rows", y.shape[0]):
             numpyro.sample("y", dist.Normal(s, 1.0), obs=y)
 
-    info = _initialize(random.PRNGKey(0), bounded, {"y": y, "top": 3.0},
-                       numpyro.infer.init_to_uniform)
+    info = _Initializer(bounded, {"y": y, "top": 3.0},
+                        numpyro.infer.init_to_uniform)(random.PRNGKey(0))
     z = info.param_info.z["s"]
     assert not isinstance(z, jax.core.Tracer) and np.isfinite(z)
     pot = FederatedPotential(bounded, ClientPartition.from_clients(
@@ -308,4 +308,4 @@ def test_initialisation_falls_back_to_numpyro_where_it_must():
             numpyro.sample("y", dist.Normal(s, 1.0), obs=y)
 
     with pytest.raises(RuntimeError, match="Cannot find valid initial parameters"):
-        _initialize(random.PRNGKey(0), hopeless, {"y": y}, numpyro.infer.init_to_uniform)
+        _Initializer(hopeless, {"y": y}, numpyro.infer.init_to_uniform)(random.PRNGKey(0))
