@@ -311,6 +311,39 @@ def elias_gamma_length(n: jax.Array) -> jax.Array:
     return jnp.where(n >= 1, 2 * floor_log2 + 1, 0).astype(jnp.int32)
 
 
+#: largest message dimension whose previous-nonzero index is computed by doubling
+#: (:func:`_previous_nonzero`); measured on a 2-core CPU, b = 20 messages: at d = 20 it compiles
+#: in 0.08 s vs 0.13 s for the associative scan and runs as fast; at d = 128, 0.09 vs 0.16 s
+#: and 15 vs 16 us; at d = 256 its O(d log d) work makes it slower to run (32 vs 25 us)
+_DOUBLING_MAX_D = 128
+
+
+def _previous_nonzero(nz: jax.Array) -> jax.Array:
+    """For every coordinate ``j`` of a 1-D mask, the largest ``i < j`` with ``nz[i]``, or
+    ``-1`` (the position that the sparse code's gap of ``j`` is taken from).
+
+    A running maximum of ``where(nz, index, -1)``, shifted by one. Up to
+    :data:`_DOUBLING_MAX_D` coordinates by doubling (``log2 d`` shifted maxima, few
+    operations to compile); beyond, by :func:`jax.lax.associative_scan` (O(d) work; the same
+    integers as ``lax.cummax``, ~3.4x faster on CPU). Exact integers either way.
+    """
+    d = nz.shape[0]
+    idx = jnp.arange(d, dtype=jnp.int32)
+    last = jnp.where(nz, idx, -1)
+
+    def shift(a: jax.Array, k: int) -> jax.Array:
+        return jnp.concatenate([jnp.full((k,), -1, jnp.int32), a[:-k]])
+
+    if d > _DOUBLING_MAX_D:
+        return shift(lax.associative_scan(jnp.maximum, last), 1)
+    prev = shift(last, 1) if d > 1 else jnp.full((d,), -1, jnp.int32)
+    k = 1
+    while k < d:
+        prev = jnp.maximum(prev, shift(prev, k))
+        k *= 2
+    return prev
+
+
 def _check_vector(v: jax.Array, compressor: str) -> jax.Array:
     v = jnp.asarray(v)
     if v.ndim != 1:
@@ -469,9 +502,7 @@ def quantize(
 
         nz = lvl != 0
         idx = jnp.arange(d, dtype=jnp.int32)
-        # running max by an associative scan: same integers as lax.cummax, ~3.4x faster on CPU
-        last_nz = lax.associative_scan(jnp.maximum, jnp.where(nz, idx, -1))
-        prev_nz = jnp.concatenate([jnp.full((1,), -1, jnp.int32), last_nz[:-1]])
+        prev_nz = _previous_nonzero(nz)
         per_coord = elias_gamma_length(idx - prev_nz) + 1 + elias_gamma_length(lvl)
         nnz = jnp.sum(nz, dtype=jnp.int32)
         head = float_bits + elias_gamma_length(nnz + 1)

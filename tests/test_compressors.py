@@ -226,9 +226,12 @@ def test_quantize_exact_bits(v, s, levels, coded, nominal):
         assert not bool(jnp.any(jnp.isnan(v_hat)))
 
 
-@pytest.mark.parametrize("s", [1, 3, 64])
-def test_quantize_coded_bits_match_reference(s):
-    v = _test_vectors(64)["dense"] * (jnp.arange(64) % 3 == 0)
+# d = 1, 20, 64 take the doubling branch of the previous-nonzero index, 300 the associative
+# scan (compressors._DOUBLING_MAX_D = 128)
+@pytest.mark.parametrize("s,d", [(1, 64), (3, 64), (64, 64), (3, 1), (3, 20), (3, 300)])
+def test_quantize_coded_bits_match_reference(s, d):
+    v = jnp.asarray(np.random.default_rng(d).standard_normal(d) * (np.arange(d) % 3 == 0),
+                    jnp.float32)
     comp = quantize(s)
     keys = jax.random.split(jax.random.key(s), 20)
     v_hat, bits = jax.vmap(comp, in_axes=(0, None))(keys, v)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["METHODS", "SearchState", "ThetaStarSearch", "init", "update", "keep_going",
-           "tolerance", "converged"]
+           "tolerance", "converged", "centring"]
 
 #: The gradient-only optimisers of the search (``"bfgs"`` also needs potential values and is
 #: in-process only).
@@ -115,3 +115,18 @@ def keep_going(state: SearchState, tol, maxiter: int):
 def converged(g_final: float, g_start: float, gtol: float) -> bool:
     """The search's verdict: a finite final gradient norm within the tolerance."""
     return bool(np.isfinite(g_final) and g_final <= gtol * max(1.0, g_start) * 1.0001)
+
+
+def centring(grads: jax.Array, server_grad: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """QLSD*'s server offset from the clients' gradients at :math:`\\theta^\\star`.
+
+    :param grads: :math:`(\\nabla U_i(\\theta^\\star))_i`, shape ``(b, d)``.
+    :param server_grad: :math:`\\nabla U_0(\\theta^\\star)`, shape ``(d,)``.
+    :return: ``(g_star, grad_norm, scale)``: :math:`g^\\star = \\sum_i \\nabla
+        U_i(\\theta^\\star)` (Vono et al. 2022, Alg. 2), :math:`\\|g^\\star + \\nabla
+        U_0\\|` (how far :math:`\\theta^\\star` is from a minimiser) and the norm of all the
+        clients' gradients (the scale it is judged against). The kernel and the Flower server
+        both call it under ``jax.jit`` (one program, not one per operation).
+    """
+    g_star = jnp.sum(grads, 0)
+    return g_star, jnp.linalg.norm(g_star + server_grad), jnp.sqrt(jnp.sum(grads**2))

@@ -107,7 +107,7 @@ from numpyro_fed.flower.codecs import (
 from numpyro_fed.kernels.base import DivergenceError, check_step_size
 from numpyro_fed.kernels.elf import ELF
 from numpyro_fed.kernels.langevin import _DIVERGED
-from numpyro_fed.kernels.qlsd import QLSD, check_theta_star
+from numpyro_fed.kernels.qlsd import QLSD, centring_at, check_theta_star
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential, prior_weights
 
@@ -975,14 +975,12 @@ class ServerCoordinator:
             if spec.init == "zeros":
                 x0 = jnp.zeros(pot.dim, pot.dtype)
             else:
-                x0 = pot.init_params(random.fold_in(key, 11))
+                x0 = pot.init_params(key, fold_in=11)
             theta, search = self._search_theta_star(jnp.asarray(x0, pot.dtype), dense)
         payload = dense.compress(None, theta)[0]
         grads = jnp.asarray(self._dense_round("star", -1, {"theta": payload}, 32 * pot.dim,
                                               what="QLSD* g* round"))
-        g_star = jnp.sum(grads, 0)
-        gnorm = float(jnp.linalg.norm(g_star + pot.server_grad(theta)))
-        scale = float(jnp.sqrt(jnp.sum(grads**2)))
+        _, g_star, gnorm, scale = centring_at(pot, theta, grads)
         if gnorm > 1e-2 * max(1.0, scale):
             log.warning("QLSD*: ||grad U(theta*)|| = %.3g is large (clients' gradients at theta* "
                         "have norm %.3g); the chain stays unbiased since g* is added on the "
@@ -1078,7 +1076,7 @@ class ServerCoordinator:
         elif spec.init == "zeros":
             x = jnp.zeros(d, pot.dtype)
         else:
-            x = pot.init_params(random.fold_in(key, 1))
+            x = pot.init_params(key, fold_in=1)
         x = jnp.asarray(x, jnp.float32)
         gamma = spec.step_size
         # the server halves of numpyro_fed.algorithms.{qlsd,elf}, compiled once per run

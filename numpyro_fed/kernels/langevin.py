@@ -728,7 +728,7 @@ class FederatedKernel(MCMCKernel):
         x0s = []
         for c, k in enumerate(keys):
             if init_params is None:
-                x0s.append(pot.init_params(random.fold_in(k, 1), self._init_strategy))
+                x0s.append(pot.init_params(k, self._init_strategy, fold_in=1))
             else:
                 params = init_params
                 if self._vectorized:

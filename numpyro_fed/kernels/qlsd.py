@@ -128,7 +128,8 @@ def check_theta_star(pot, value: Mapping[str, Any]) -> jax.Array:
     if missing:
         raise ValueError(f"`theta_star` lacks the sites {missing}: give a constrained value for "
                          f"every latent site {names} (or theta_star=None to search for it).")
-    proto = pot.constrain(jnp.zeros(pot.dim, pot.dtype), deterministic=False)
+    proto = jax.eval_shape(lambda x: pot.constrain(x, deterministic=False),
+                           jax.ShapeDtypeStruct((pot.dim,), pot.dtype))
     for name in names:
         v = np.asarray(value[name], np.float64)
         want = tuple(np.shape(proto[name]))
@@ -144,6 +145,22 @@ def check_theta_star(pot, value: Mapping[str, Any]) -> jax.Array:
                 f"`theta_star[{name!r}]` = {np.array2string(v, precision=4)} is outside the "
                 f"support of site {name!r} ({t.codomain}); give a value inside it.")
     return pot.unconstrain(value)
+
+
+def centring_at(pot, theta: jax.Array, data: Any) -> tuple[jax.Array, jax.Array, float, float]:
+    """QLSD*'s centring round at ``theta``: the clients' gradients and
+    :func:`~numpyro_fed.algorithms.theta_star.centring`, in one program.
+
+    :param data: the :class:`~numpyro_fed.partition.ClientPartition`, or the ``(b, d)``
+        gradients the clients sent (the Flower server).
+    :return: ``(grads, g_star, grad_norm, scale)`` (the norms as Python floats).
+    """
+    def run(t, data):
+        grads = data if isinstance(data, jax.Array) else pot.full_grads(t, data)
+        return (grads, *search_alg.centring(grads, pot.server_grad(t)))
+
+    grads, g_star, gnorm, scale = jax.jit(run)(theta, data)
+    return grads, g_star, float(gnorm), float(scale)
 
 
 def find_theta_star(
@@ -378,14 +395,10 @@ class QLSD(FederatedKernel):
         else:
             vectorized, key = split_chain_keys(rng_key)
             key = key[0] if vectorized else key
-            x0 = pot.init_params(random.fold_in(key, 11), self._init_strategy)
+            x0 = pot.init_params(key, self._init_strategy, fold_in=11)
             theta, search = find_theta_star(pot, data, x0, **self.theta_star_kwargs)
-        grads = jax.jit(pot.full_grads)(theta, data)
-        g_star = jnp.sum(grads, 0)
-        full = g_star + pot.server_grad(theta)
-        gnorm = float(jnp.linalg.norm(full))
+        grads, g_star, gnorm, scale = centring_at(pot, theta, data)
         search = search._replace(grad_norm=gnorm)
-        scale = float(jnp.sqrt(jnp.sum(grads**2)))
         if gnorm > 1e-2 * max(1.0, scale):
             warnings.warn(
                 f"QLSD*: ||grad U(theta*)|| = {gnorm:.3g} is large (clients' gradients at "
