@@ -277,6 +277,12 @@ def test_initialisation_is_one_program_and_equals_numpyro():
     eager = initialize_model(key, model, model_kwargs=pot._pooled_kwargs,
                              init_strategy=init_to_uniform).param_info.z
     np.testing.assert_allclose(ours, pot.ravel(eager), rtol=1e-6, atol=1e-6)
+    # a kernel's init folds its key inside the same program: no new compilation, and the
+    # point of random.fold_in(key, 1)
+    n_fold, folded = _compilations(lambda: pot.init_params(key, fold_in=1))
+    assert n_fold == 0, n_fold
+    np.testing.assert_array_equal(folded, pot.init_params(random.fold_in(key, 1)))
+    assert not np.array_equal(folded, ours)
 
 
 def test_initialisation_falls_back_to_numpyro_where_it_must():
@@ -296,6 +302,11 @@ def test_initialisation_falls_back_to_numpyro_where_it_must():
                         numpyro.infer.init_to_uniform)(random.PRNGKey(0))
     z = info.param_info.z["s"]
     assert not isinstance(z, jax.core.Tracer) and np.isfinite(z)
+    init = _Initializer(bounded, {"y": y, "top": 3.0}, numpyro.infer.init_to_uniform)
+    folded = init(random.PRNGKey(0), fold_in=3).param_info.z["s"]  # eager path, folded key
+    assert not init.compiled
+    assert float(folded) == float(init(random.fold_in(random.PRNGKey(0), 3)).param_info.z["s"])
+    assert float(folded) != float(z)
     pot = FederatedPotential(bounded, ClientPartition.from_clients(
         [{"y": y[:5]}, {"y": y[5:]}], shared={"top": 3.0}))
     # the transform of Uniform(0, 4): a large unconstrained value maps next to 4
