@@ -980,7 +980,7 @@ class ServerCoordinator:
         payload = dense.compress(None, theta)[0]
         grads = jnp.asarray(self._dense_round("star", -1, {"theta": payload}, 32 * pot.dim,
                                               what="QLSD* g* round"))
-        _, g_star, gnorm, scale = centring_at(pot, theta, grads)
+        _, g_star, gnorm, scale = centring_at(pot, theta, grads=grads)
         if gnorm > 1e-2 * max(1.0, scale):
             log.warning("QLSD*: ||grad U(theta*)|| = %.3g is large (clients' gradients at theta* "
                         "have norm %.3g); the chain stays unbiased since g* is added on the "

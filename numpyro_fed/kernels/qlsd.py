@@ -147,19 +147,20 @@ def check_theta_star(pot, value: Mapping[str, Any]) -> jax.Array:
     return pot.unconstrain(value)
 
 
-def centring_at(pot, theta: jax.Array, data: Any) -> tuple[jax.Array, jax.Array, float, float]:
+def centring_at(pot, theta: jax.Array, *, data: ClientPartition | None = None,
+                grads: jax.Array | None = None) -> tuple[jax.Array, jax.Array, float, float]:
     """QLSD*'s centring round at ``theta``: the clients' gradients and
     :func:`~numpyro_fed.algorithms.theta_star.centring`, in one program.
 
-    :param data: the :class:`~numpyro_fed.partition.ClientPartition`, or the ``(b, d)``
-        gradients the clients sent (the Flower server).
+    :param data: the client partition, whose gradients are computed here (in process), or
+    :param grads: the ``(b, d)`` gradients the clients sent (the Flower server).
     :return: ``(grads, g_star, grad_norm, scale)`` (the norms as Python floats).
     """
-    def run(t, data):
-        grads = data if isinstance(data, jax.Array) else pot.full_grads(t, data)
+    def run(t, data, grads):
+        grads = pot.full_grads(t, data) if grads is None else grads
         return (grads, *search_alg.centring(grads, pot.server_grad(t)))
 
-    grads, g_star, gnorm, scale = jax.jit(run)(theta, data)
+    grads, g_star, gnorm, scale = jax.jit(run)(theta, data, grads)
     return grads, g_star, float(gnorm), float(scale)
 
 
@@ -397,7 +398,7 @@ class QLSD(FederatedKernel):
             key = key[0] if vectorized else key
             x0 = pot.init_params(key, self._init_strategy, fold_in=11)
             theta, search = find_theta_star(pot, data, x0, **self.theta_star_kwargs)
-        grads, g_star, gnorm, scale = centring_at(pot, theta, data)
+        grads, g_star, gnorm, scale = centring_at(pot, theta, data=data)
         search = search._replace(grad_norm=gnorm)
         if gnorm > 1e-2 * max(1.0, scale):
             warnings.warn(
