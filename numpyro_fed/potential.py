@@ -774,8 +774,8 @@ class FederatedPotential:
         except Exception:  # noqa: BLE001 -- no diagnosis: the caller re-raises `err`
             return
         n = self.partition.total_size
+        order = tuple(k for k, v in kinds.items() if v != "plate")
         for rows in row_sets:
-            order = tuple(k for k, v in kinds.items() if v != "plate")
             site, cause = _failing_site(model, {**rows, **shared}, params, order)
             if site is None:
                 continue
