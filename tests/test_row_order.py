@@ -196,12 +196,15 @@ def test_predictive_on_the_users_x_and_on_the_kernel_model():
 # ----------------------------------------------------------------------------- layouts
 def two_plates(X, y=None, c=None):
     """Two data plates over the rows (one nested with a trailing plate), a per-row site
-    outside any plate and one whose rows are on the second axis."""
+    outside any plate, one whose rows are on the second axis and one as long as the data
+    that is not per row."""
     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
     s = numpyro.sample("s", dist.HalfNormal(1.0))
     eta = X @ w
     numpyro.deterministic("fitted", eta)  # (N,), in no plate
     numpyro.deterministic("both", jnp.stack([eta, -eta]))  # (2, N): rows on axis 1
+    # N long but not per row (no data in it): must come back as computed, not permuted
+    numpyro.deterministic("grid", w[0] * jnp.arange(X.shape[0], dtype=eta.dtype))
     with numpyro.plate("rows_y", X.shape[0]):
         numpyro.sample("y", dist.Normal(eta, s), obs=y)
     with numpyro.plate("rows_c", X.shape[0], dim=-2), numpyro.plate("k", 3, dim=-1):
@@ -227,6 +230,7 @@ def test_two_data_plates_and_trailing_dims_are_in_the_users_order():
     np.testing.assert_allclose(s["fitted"], eta, **TOL)
     np.testing.assert_allclose(s["both"], np.stack([eta, -eta], axis=2), **TOL)
     np.testing.assert_allclose(s["q"], eta[..., None] * np.arange(1.0, 4.0), **TOL)
+    np.testing.assert_allclose(s["grid"], np.asarray(s["w"])[..., :1] * np.arange(N), **TOL)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         idata = to_inference_data(mcmc)
