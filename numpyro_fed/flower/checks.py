@@ -60,6 +60,7 @@ __all__ = [
     "spec_settings",
     "spec_differences",
     "probe_point",
+    "PROBE_SETS",
     "probe_rows",
     "probe_values",
     "probe_difference",
@@ -146,12 +147,22 @@ def probe_point(dim: int) -> np.ndarray:
     return (_weyl(int(dim), 0) - 0.5).astype(np.float32)
 
 
-def probe_rows(schema: Mapping[str, Sequence[Any]]) -> dict[str, np.ndarray]:
+#: The synthetic data sets of the probe, by the values of their floating-point entries: a
+#: likelihood is evaluated on those that lie in its support (NumPyro gives ``-inf`` outside).
+#: ``"binary"``: :math:`\\{0, 1\\}` (Bernoulli, Poisson, normal observations, binary
+#: features); ``"unit"``: :math:`(0.05, 0.95)` (Beta, Gamma, log-normal, normal);
+#: ``"counts"``: :math:`\\{1, 2, 3\\}` (positive counts, Gamma, log-normal). Integer and
+#: boolean entries are in :math:`\\{0, 1\\}` in all three (valid labels and indices).
+PROBE_SETS = ("binary", "unit", "counts")
+
+
+def probe_rows(schema: Mapping[str, Sequence[Any]], kind: str = "binary"
+               ) -> dict[str, np.ndarray]:
     """:data:`PROBE_ROWS` synthetic rows of a row schema ``{key: (row shape, dtype)}`` (the
-    ``hello`` schema of a client): floats in :math:`(0.05, 0.95)` (positive, inside the unit
-    interval: valid observations of most likelihoods, e.g. Bernoulli, Beta, Gamma,
-    log-normal), integers and booleans in :math:`\\{0, 1\\}` (valid counts, labels and
-    indices). Floats are generated in float32, so a float64 client gets the same values."""
+    ``hello`` schema of a client), with floating-point values of the :data:`PROBE_SETS`
+    ``kind``. Floats are generated in float32, so a float64 client gets the same values."""
+    if kind not in PROBE_SETS:
+        raise ValueError(f"`kind` must be one of {PROBE_SETS}, got {kind!r}.")
     rows = {}
     for m, key in enumerate(sorted(schema)):
         shape, dtype = schema[key]
@@ -159,7 +170,9 @@ def probe_rows(schema: Mapping[str, Sequence[Any]]) -> dict[str, np.ndarray]:
         dt = np.dtype(dtype)
         u = _weyl(PROBE_ROWS * math.prod(shape), 1000 * (m + 1))
         if dt.kind in "fc":
-            vals = (0.05 + 0.9 * u).astype(np.float32).astype(dt)
+            vals = {"binary": (u < 0.5).astype(np.float64), "unit": 0.05 + 0.9 * u,
+                    "counts": 1.0 + np.floor(3 * u)}[kind]
+            vals = vals.astype(np.float32).astype(dt)
         elif dt.kind in "iub":
             vals = (u < 0.5).astype(dt)
         else:
@@ -173,22 +186,39 @@ def probe_rows(schema: Mapping[str, Sequence[Any]]) -> dict[str, np.ndarray]:
 _PROBES: dict[tuple, Callable] = {}
 
 
-def probe_values(problem: Any) -> np.ndarray:
-    """The fingerprint of a client's potential: ``[V_lik, grad V_lik, V_prior, grad
-    V_prior]`` (length :math:`2d + 2`, float64) at :func:`probe_point` on the rows of
-    ``problem``, a :class:`~numpyro_fed.algorithms.oracles.ClientProblem` built on
-    :func:`probe_rows` with the client's model, likelihood weight and shared arguments.
-    :math:`V_{\\rm lik} = -\\tau\\sum_j\\log p(y_j\\mid\\theta)` (the per-row
-    log-likelihoods of the model), :math:`V_{\\rm prior} = -\\log p(\\theta) - \\log|J|`."""
-    pot = problem.potential
-    rows = problem.rows
+def probe_values(potential: Any, likelihood_weight: Any, rows: Mapping[str, np.ndarray]
+                 ) -> np.ndarray:
+    """The fingerprint of a potential: ``[V_lik, grad V_lik, V_prior, grad V_prior]``
+    (length :math:`2d + 2`, float64) at :func:`probe_point` on the synthetic ``rows``
+    (:func:`probe_rows`), with :math:`V_{\\rm lik} = -\\tau\\sum_j\\log p(y_j\\mid\\theta)`
+    (the model's per-row log-likelihoods, as a client's potential sums them) and
+    :math:`V_{\\rm prior} = -\\log p(\\theta) - \\log|J(\\theta)|` (the model run on the
+    first probe row).
+
+    :param potential: a :class:`~numpyro_fed.potential.FederatedPotential` of the model (a
+        client's, built on its rows with its shared arguments; the server's, on zeros of the
+        row schema): only its parameter structure and model are used, not its data.
+    :param likelihood_weight: :math:`\\tau` as the potential's owner applies it.
+    """
+    from numpyro_fed.potential import _log_parts
+
+    pot = potential
     schema = tuple(sorted((k, str(v.dtype), tuple(v.shape[1:])) for k, v in rows.items()))
-    key = (pot.model, schema)
+    key = (pot.model, schema, tuple(pot.latent_names))
     fn = _PROBES.get(key) if not pot.shared else None
     if fn is None:
-        def fn(theta, rows, mask, tau):
-            v_lik, g_lik = jax.value_and_grad(pot._client_lik_potential)(theta, rows, mask, tau)
-            v_pri, g_pri = jax.value_and_grad(lambda t: -pot.log_prior(t))(theta)
+        def fn(theta, rows, tau):
+            row0 = jax.tree.map(lambda a: a[0], rows)
+
+            def lik(t):
+                return -tau * jnp.sum(pot.rows_loglik(t, rows))
+
+            def prior(t):
+                return -_log_parts(pot.model, pot._row_kwargs(row0), pot.unravel(t),
+                                   pot._latent, pot._prior_sites)[0]
+
+            v_lik, g_lik = jax.value_and_grad(lik)(theta)
+            v_pri, g_pri = jax.value_and_grad(prior)(theta)
             return jnp.concatenate([v_lik[None], g_lik, v_pri[None], g_pri])
 
         fn = jax.jit(fn)
@@ -196,8 +226,9 @@ def probe_values(problem: Any) -> np.ndarray:
             _PROBES[key] = fn
             while len(_PROBES) > 8:
                 _PROBES.pop(next(iter(_PROBES)))
-    theta = jnp.asarray(probe_point(problem.dim))
-    return np.asarray(fn(theta, rows, problem.mask, problem.tau), np.float64)
+    theta = jnp.asarray(probe_point(pot.dim))
+    rows = {k: jnp.asarray(v) for k, v in rows.items()}
+    return np.asarray(fn(theta, rows, jnp.asarray(likelihood_weight, jnp.float32)), np.float64)
 
 
 def _close(got: np.ndarray, ref: np.ndarray) -> tuple[bool, float]:

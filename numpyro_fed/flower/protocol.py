@@ -98,6 +98,7 @@ from numpyro_fed.algorithms.variants import (
 )
 from numpyro_fed.compressors import Compressor, CompressorSpec, get_compressor
 from numpyro_fed.flower.checks import (
+    PROBE_SETS,
     ClientMismatchError,
     DeploymentError,
     ParticipationMonitor,
@@ -434,6 +435,7 @@ class ClientWorker:
         self.shared = dict(shared or {})
         self._problem: ClientProblem | None = None
         self._problem_key: tuple | None = None
+        self._potential: FederatedPotential | None = None
         self._codec: WireCodec | None = None
         self._down: WireCodec | None = None
 
@@ -469,16 +471,21 @@ class ClientWorker:
         version of its module gives another model: the ``hello`` fingerprint tells)."""
         return load_model(spec.model)
 
-    def make_problem(self, spec: FlowerSpec, rows: Mapping[str, Any], prior_weight: float,
+    def make_problem(self, spec: FlowerSpec, prior_weight: float,
                      max_size: int | None) -> ClientProblem:
-        """The :class:`~numpyro_fed.algorithms.oracles.ClientProblem` of ``rows`` under
-        ``spec``: the one construction of this client's potential, used for its own rows
-        and for the ``hello`` probe (:meth:`fingerprint`), so the probe checks what the
-        steps compute."""
+        """The :class:`~numpyro_fed.algorithms.oracles.ClientProblem` of this client under
+        ``spec``: the one construction of its potential, used for the steps and for the
+        ``hello`` probe (:meth:`fingerprint`), so the probe checks what the steps compute.
+        The model's :class:`~numpyro_fed.potential.FederatedPotential` on this client's rows
+        is built once (its construction traces the model) and reused."""
+        model = self.load_model(spec)
+        if self._potential is None or self._potential.model is not model:
+            part = ClientPartition.from_clients([dict(self.rows)], shared=self.shared)
+            self._potential = FederatedPotential(model, part, prior="split", check=False)
         return ClientProblem(
-            self.load_model(spec), rows, prior_weight=prior_weight,
+            model, self.rows, prior_weight=prior_weight,
             likelihood_weight=spec.likelihood_weight, shared=self.shared, max_size=max_size,
-            index=self.index,
+            index=self.index, potential=self._potential,
         )
 
     def fingerprint(self, spec_json: str) -> dict[str, Any]:
@@ -492,28 +499,18 @@ class ClientWorker:
         except (TypeError, ValueError, KeyError) as err:
             return {"settings_error": f"{type(err).__name__}: {err}"}
         out: dict[str, Any] = {"settings": json.dumps(spec_settings(spec.to_config()))}
-        schema = {k: (v.shape[1:], v.dtype) for k, v in self.rows.items()}
-        try:
-            out["probe"] = json.dumps(self._probe(spec, schema).tolist())
+        try:  # the potential this client would run (its model, weight, shared arguments)
+            prob = self.make_problem(spec, 1.0, None)
         except Exception as err:  # noqa: BLE001 - reported to the server, which decides
-            out["probe_error"] = f"{type(err).__name__}: {err}"
+            return {**out, "probe": json.dumps({"error": f"{type(err).__name__}: {err}"})}
+        schema = {k: (v.shape[1:], v.dtype) for k, v in self.rows.items()}
+        out["probe"] = json.dumps(probes(prob.potential, prob.tau, schema))
         return out
-
-    def _probe(self, spec: FlowerSpec, schema: Mapping[str, Any]) -> np.ndarray:
-        """:func:`~numpyro_fed.flower.checks.probe_values` of this client's potential on
-        the synthetic probe of ``schema`` (synthetic values may lie outside a likelihood's
-        support, e.g. a Bernoulli observation of 0.3: NumPyro's warnings about them are
-        meaningless here and silenced)."""
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return probe_values(self.make_problem(spec, probe_rows(schema), 1.0, None))
 
     def _setup(self, spec: FlowerSpec, prior_weight: float, max_size: int) -> ClientProblem:
         key = (json.dumps(spec.to_config(), sort_keys=True), prior_weight, max_size)
         if self._problem is None or self._problem_key != key:
-            self._problem = self.make_problem(spec, self.rows, prior_weight, max_size)
+            self._problem = self.make_problem(spec, prior_weight, max_size)
             d = self._problem.dim
             self._codec = codec_for(spec.compressor, d)
             self._down = codec_for(spec.downlink, d)
@@ -700,6 +697,27 @@ class ClientWorker:
             eta = state["eta"] = np.zeros(d, np.float32)
         h = qlsd_core.client_message(h, jnp.asarray(eta), spec.memory_rate)
         return h, client_key(k_comp, self.index, b)
+
+
+def probes(potential: FederatedPotential, likelihood_weight: Any,
+           schema: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`~numpyro_fed.flower.checks.probe_values` of a potential on each synthetic
+    data set of :data:`~numpyro_fed.flower.checks.PROBE_SETS` for the row ``schema``:
+    ``{kind: list of 2d + 2 numbers}``, or ``{kind: "why it failed"}`` (the server compares
+    on the sets where its own model is finite; values outside a likelihood's support give
+    ``-inf``, and NumPyro's warnings about them are meaningless here and silenced)."""
+    import warnings
+
+    out: dict[str, Any] = {}
+    for kind in PROBE_SETS:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out[kind] = probe_values(potential, likelihood_weight,
+                                         probe_rows(schema, kind)).tolist()
+        except Exception as err:  # noqa: BLE001 - reported to the server, which decides
+            out[kind] = f"{type(err).__name__}: {err}"
+    return out
 
 
 def _check_schemas(schemas: Mapping[int, Mapping], sizes: np.ndarray,
@@ -914,8 +932,6 @@ class ServerCoordinator:
             schemas[i] = info["rows"]
             sizes[i] = int(info["size"])
         schema = _check_schemas(schemas, sizes, spec)
-        self._check_fingerprints({i: replies[n].meta for n, i in index_of.items()}, schema,
-                                 {i: n for n, i in index_of.items()})
         self.node_of = {i: n for n, i in index_of.items()}
         self._configured = np.zeros(spec.num_clients, bool)
         self.sizes = sizes
@@ -928,6 +944,8 @@ class ServerCoordinator:
             load_model(spec.model), part,
             prior="server" if spec.prior == "server" else "split", check=False,
         )
+        self._check_fingerprints({i: replies[n].meta for n, i in index_of.items()}, schema,
+                                 self.node_of)
 
     def _check_fingerprints(self, metas: Mapping[int, Mapping[str, Any]],
                             schema: Mapping[str, Any], node_of: Mapping[int, int]) -> None:
@@ -940,15 +958,14 @@ class ServerCoordinator:
         """
         spec = self.spec
         mine = spec_settings(spec.to_config())
-        try:  # the server's own model, spec and (no) shared arguments, as a client builds them
-            ref, ref_error = ClientWorker(0, {})._probe(spec, schema), None
-        except Exception as err:  # noqa: BLE001 - the model cannot run on the probe
-            ref, ref_error = None, f"{type(err).__name__}: {err}"
-            log.warning("the model cannot be evaluated on the synthetic probe (%s): the hello "
-                        "round compares the clients' settings only", ref_error)
-        if ref is not None and not np.isfinite(ref).any():
-            log.warning("the model is not finite on the synthetic probe: the hello round "
-                        "compares the clients' settings only")
+        # the server's own model, spec and (no) shared arguments, built as a client does;
+        # compared on the probe sets where the server's model is finite
+        refs = {kind: np.asarray(v, np.float64)
+                for kind, v in probes(self.potential, spec.likelihood_weight, schema).items()
+                if not isinstance(v, str) and np.isfinite(v).all()}
+        if not refs:
+            log.warning("the model cannot be evaluated on any synthetic probe %s: the hello "
+                        "round compares the clients' settings only", PROBE_SETS)
         bad: dict[int, str] = {}
         for i in sorted(metas):
             meta = metas[i]
@@ -963,19 +980,22 @@ class ServerCoordinator:
             if diff:
                 bad[i] = "it runs with other settings than the spec: " + ", ".join(diff)
                 continue
-            if ref_error is not None:
+            if not refs:
                 continue
-            if "probe_error" in meta:
-                bad[i] = (f"its model cannot be evaluated on the probe where the server's "
-                          f"can ({meta['probe_error']})")
-                continue
-            if "probe" not in meta:
-                bad[i] = "it sent no probe of its model (a client of an older numpyro_fed?)"
-                continue
-            what = probe_difference(ref, np.asarray(json.loads(meta["probe"]), np.float64),
-                                    spec.likelihood_weight)
-            if what:
-                bad[i] = what
+            sent = json.loads(meta["probe"]) if "probe" in meta else {}
+            for kind, ref in refs.items():
+                got = sent.get(kind, sent.get("error"))
+                if got is None:
+                    bad[i] = "it sent no probe of its model (a client of an older numpyro_fed?)"
+                elif isinstance(got, str):
+                    bad[i] = (f"its model cannot be evaluated on the {kind!r} probe where the "
+                              f"server's can ({got})")
+                else:
+                    bad[i] = probe_difference(ref, np.asarray(got, np.float64),
+                                              spec.likelihood_weight)
+                if bad[i]:
+                    break
+                del bad[i]
         if bad:
             lines = "; ".join(f"client {i} (node {node_of[i]}): {why}"
                               for i, why in bad.items())
