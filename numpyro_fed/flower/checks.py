@@ -41,12 +41,15 @@ magnitude more).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from numpyro_fed.potential import _log_parts
 
 __all__ = [
     "DeploymentError",
@@ -200,8 +203,6 @@ def probe_values(potential: Any, likelihood_weight: Any, rows: Mapping[str, np.n
         row schema): only its parameter structure and model are used, not its data.
     :param likelihood_weight: :math:`\\tau` as the potential's owner applies it.
     """
-    from numpyro_fed.potential import _log_parts
-
     pot = potential
     schema = tuple(sorted((k, str(v.dtype), tuple(v.shape[1:])) for k, v in rows.items()))
     key = (pot.model, schema, tuple(pot.latent_names))
@@ -334,7 +335,10 @@ class ParticipationMonitor:
       by the prior share, the memory term and the noise only: a random walk without data.
       ``max_empty_rounds`` such rounds in a row raise (``0``: never). Rounds in which nobody
       was asked (possible by design with ``participation < 1``, as in process) carry no
-      evidence: they neither count nor break a streak.
+      evidence: they neither count nor break a streak. With sparse participation and a lossy
+      network, where a round often asks a single client, such streaks also come by chance
+      (a round asking one client whose messages are lost with probability :math:`f` is
+      empty with probability :math:`f`): raise ``max_empty_rounds`` there.
     * **Share of answered requests.** Given the requests, a client that answers each with
       probability :math:`r` answers :math:`S \\sim \\mathrm{Binomial}(A, r)` of :math:`A`
       requests (independent faults). The declared participation :math:`p` is what the
@@ -366,8 +370,12 @@ class ParticipationMonitor:
         self.rho = float(min_participation)
         self.level = PARTICIPATION_ALPHA / (2 * max(1, int(num_rounds)))
         self.streak: list[int] = []
-        self.asked: list[np.ndarray] = []
-        self.present: list[np.ndarray] = []
+        self.rounds = 0
+        # per client: requests and answers over the whole run and over the recent window
+        # (running sums: the check costs O(b) per round, whatever the length of the run)
+        self._total = np.zeros((2, self.b), np.int64)
+        self._window = np.zeros((2, self.b), np.int64)
+        self._recent: deque[np.ndarray] = deque()
 
     def update(self, k: int, asked: np.ndarray, present: np.ndarray,
                why: Mapping[int, str] | None = None) -> None:
@@ -375,8 +383,13 @@ class ParticipationMonitor:
 
         :param why: optional reason of each asked client's absence (for the message)."""
         asked, present = np.asarray(asked, bool), np.asarray(present, bool)
-        self.asked.append(asked)
-        self.present.append(present)
+        counts = np.stack([asked, present & asked]).astype(np.int64)
+        self.rounds += 1
+        self._total += counts
+        self._window += counts
+        self._recent.append(counts)
+        if len(self._recent) > PARTICIPATION_WINDOW:
+            self._window -= self._recent.popleft()
         if asked.any() and not present.any():
             self.streak.append(int(k))
         elif present.any():
@@ -397,26 +410,24 @@ class ParticipationMonitor:
             self._test(k)
 
     def _test(self, k: int) -> None:
-        asked, present = np.asarray(self.asked), np.asarray(self.present)
-        starts = {0, max(0, len(asked) - PARTICIPATION_WINDOW)}
-        for start in sorted(starts):
-            a, s = asked[start:], present[start:] & asked[start:]
+        windows = [(k - self.rounds + 1, self._total)]  # the whole run, rounds 0..k
+        if self.rounds > len(self._recent):
+            windows.append((k - len(self._recent) + 1, self._window))
+        for first, (a, s) in windows:
             n_asked, n_got = int(a.sum()), int(s.sum())
             if n_asked == 0 or n_got >= self.rho * n_asked:
                 continue
             tail = _binom_cdf(n_got, n_asked, self.rho)
             if tail >= self.level:
                 continue
-            first = start  # self.asked holds rounds 0..k
-            per = sorted(((int(a[:, i].sum() - s[:, i].sum()), i) for i in range(self.b)),
-                         reverse=True)
-            worst = ", ".join(f"client {i} ({m} of {int(a[:, i].sum())} missed)"
-                              for m, i in per if m > 0)
+            per = sorted(((int(a[i] - s[i]), i) for i in range(self.b)), reverse=True)
+            worst = ", ".join(f"client {i} ({m} of {int(a[i])} missed)" for m, i in per if m > 0)
             raise ParticipationError(
                 f"Flower deployment: participation fell far below the spec's: in rounds "
                 f"{first}-{k}, {n_got} of the {n_asked} requests were answered "
                 f"({n_got / n_asked:.1%}; observed participation "
-                f"{n_got / (self.b * len(a)):.3g} for the declared participation={self.p:g}), "
+                f"{n_got / (self.b * (k - first + 1)):.3g} for the declared "
+                f"participation={self.p:g}), "
                 f"below min_participation={self.rho:g} of the requests (binomial tail "
                 f"P = {tail:.2g} < {self.level:.2g}). Missing: {worst}. Check these clients, "
                 "or lower `min_participation` (0 switches this check off).",

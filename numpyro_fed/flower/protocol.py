@@ -860,6 +860,8 @@ class ServerCoordinator:
         self.g_star: jax.Array | None = None
         self.theta_star_search: Any = None
         self.shadow_models: np.ndarray | None = None
+        #: why each client asked in the last round is absent (``{client: reason}``)
+        self.absent: dict[int, str] = {}
 
     # -- helpers ------------------------------------------------------------------------
     def _discover(self) -> None:
@@ -1017,7 +1019,7 @@ class ServerCoordinator:
         """Validate replies; return ``{client: (decoded, declared bits, wire bytes)}``.
         Why each asked client is absent is kept in ``self.absent`` (``{client: reason}``)."""
         out = {}
-        self.absent: dict[int, str] = {}
+        self.absent = {}
         for i in asked:
             rep = replies.get(self.node_of[i])
             if rep is None:
