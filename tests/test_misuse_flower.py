@@ -213,15 +213,16 @@ class _ProbitClient(ClientWorker):
         return probit_regression if self.index == 2 else super().load_model(spec)
 
 
-class _OwnWeightInSpec(ClientWorker):
-    """Client 1 runs with its own likelihood weight, read into the settings it received."""
+def _own_settings(**override):
+    """A client 1 that runs with its own settings, written over those it received."""
 
-    def handle(self, cmd, arrays, state):
-        if self.index == 1 and "spec" in cmd:
-            cfg = json.loads(cmd["spec"])
-            cfg["likelihood_weight"] = 0.5
-            cmd = {**cmd, "spec": json.dumps(cfg)}
-        return super().handle(cmd, arrays, state)
+    class OwnSettings(ClientWorker):
+        def handle(self, cmd, arrays, state):
+            if self.index == 1 and "spec" in cmd:
+                cmd = {**cmd, "spec": json.dumps({**json.loads(cmd["spec"]), **override})}
+            return super().handle(cmd, arrays, state)
+
+    return OwnSettings
 
 
 class _OwnWeightInCode(ClientWorker):
@@ -247,20 +248,26 @@ class _OldClient(ClientWorker):
      r"refused client 2 \(node \d+\): its log-likelihood differs from the server's model", [2]),
     (GLM, ClientWorker, {2: {"link": "probit"}},
      r"refused client 2 \(node \d+\): its log-likelihood differs", [2]),
-    (MODEL, _OwnWeightInSpec, None,
+    (MODEL, _own_settings(likelihood_weight=0.5), None,
      r"refused client 1 \(node \d+\): it runs with other settings than the spec: "
      r"likelihood_weight=0.5 \(server: 1.0\)", [1]),
+    (MODEL, _own_settings(compressor="quantize(s=4)", variant="++"), None,
+     r"refused client 1 .*other settings than the spec: compressor='quantize\(s=4\)' "
+     r"\(server: 'quantize\(s=16\)'\), variant='\+\+' \(server: '#'\)", [1]),
+    (MODEL, _own_settings(prior="size"), None,
+     r"refused client 1 .*prior='size' \(server: 'split'\)", [1]),
     (MODEL, _OwnWeightInCode, None,
      r"refused client 3 \(node \d+\): its likelihood is 0.5 times the server's on the probe: "
      r"it runs with a likelihood weight \(temperature\) of 0.5", [3]),
     (MODEL, ClientWorker, {0: {"prior_scale": 3.0}, 2: {"prior_scale": 3.0}},
      r"refused client 0 .*its prior .*differs.*client 2 .*its prior", [0, 2]),
     (MODEL, _OldClient, None, r"refused client 0 .*sent no fingerprint", [0]),
-], ids=["probit-module", "probit-shared-kwarg", "weight-in-spec", "weight-in-code",
+], ids=["probit-module", "probit-shared-kwarg", "weight-in-spec", "compressor-variant",
+        "prior-mode", "weight-in-code",
         "prior-kwarg", "old-client"])
 def test_a_client_running_another_model_or_settings_is_refused(clients, model, worker, shared,
                                                                 match, refused):
-    spec = _spec(model=model, num_samples=3)
+    spec = _spec(model=model, num_samples=3, compressor="quantize(s=16)")
     with pytest.raises(ClientMismatchError, match=match) as err:
         run_loopback(spec, clients, client_app=_app(clients, worker, shared))
     assert err.value.clients == refused

@@ -1088,7 +1088,8 @@ class ServerCoordinator:
 
         :param arrays: the arrays sent to each client; ``declared`` their declared bits.
         :return: the ``(b, d)`` replies in client order.
-        :raises RuntimeError: when a client has not answered after 3 attempts.
+        :raises DeploymentError: (a ``RuntimeError``) when a client has not answered after 3
+            attempts.
         """
         b, spec, sb = self.spec.num_clients, self.spec, self.setup_bits
         dense = dense_codec(self.potential.dim)
@@ -1114,7 +1115,7 @@ class ServerCoordinator:
                 log.warning("%s: clients %s missing, retrying", what,
                             sorted(set(range(b)) - set(got)))
         if len(got) < b:
-            raise RuntimeError(
+            raise DeploymentError(
                 f"{what} needs every client's dense reply; clients "
                 f"{sorted(set(range(b)) - set(got))} did not answer 3 attempts"
             )
