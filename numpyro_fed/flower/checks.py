@@ -351,9 +351,11 @@ class ParticipationMonitor:
       :data:`PARTICIPATION_ALPHA` / (2 ``num_rounds``) keeps the probability of refusing an
       honest run anywhere below :data:`PARTICIPATION_ALPHA` (Bonferroni). A few unlucky
       rounds (random timeouts, or the random low rounds of Bernoulli sampling, which the test
-      does not see since it conditions on the requests) do not trigger it; e.g. 3 of 4
-      clients gone for 100 rounds (``S/A = 1/4``, :math:`\\rho = 1/2`) gives a tail of
-      ~1e-15.
+      does not see since it conditions on the requests) do not trigger it. A clear fault is
+      caught fast: 3 of 4 clients gone for the 100 rounds of the window (100 of 400 requests
+      answered, :math:`\\rho = 1/2`) gives a tail of 1.3e-24, far below the level
+      (5e-11 for a run of 10 000 rounds); measured: 3 of 4 clients gone at round 5000 of
+      10 000 (``participation=1``) stop the run at round 5088.
 
     :param num_clients: ``b``.
     :param participation: the spec's declared :math:`p`.
