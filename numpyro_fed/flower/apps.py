@@ -11,7 +11,9 @@ Messages (``message_type="query"``; Flower's Message API, ``flwr>=1.20``):
 * client -> server: ``RecordDict({"meta": ConfigRecord, "reply": ArrayRecord})`` with the
   round, the declared bits and one ``uint8`` ``payload``: the compressed message in the
   bit-exact format of :mod:`numpyro_fed.flower.codecs`. Nothing else leaves a client (the
-  ``hello`` reply carries its index, its number of rows and the shapes/dtypes of a row).
+  ``hello`` reply carries its index, its number of rows, the shapes/dtypes of a row and the
+  fingerprint of its model and settings, computed on synthetic data only:
+  :mod:`numpyro_fed.flower.checks`).
 
 The client keeps its state in ``context.state`` (records ``numpyro_fed.arrays`` and
 ``numpyro_fed.ints``), which the SuperNode persists between the messages of a run.
