@@ -158,6 +158,14 @@ class _DoseArrays(NamedTuple):
     mask: jax.Array
 
 
+def _dose_where(idx: tuple[int, ...], field: str, locate: Any) -> str:
+    """Which dose a message is about: ``locate(idx, field)`` (e.g. the subject, row and
+    column of the input table), else its index in the dose arrays."""
+    if locate is not None:
+        return str(locate(idx, field))
+    return f"dose at index {idx} of the dose arrays"
+
+
 def _host_doses(doses: Any) -> dict[str, np.ndarray]:
     """The dose fields as numpy arrays of one (broadcast) shape, for host-side checks."""
     missing = [f for f in DOSE_FIELDS if not hasattr(doses, f)]
@@ -302,16 +310,20 @@ class StructuralModel(ABC):
         return jnp.where(jnp.any(d.mask & bad), jnp.nan, 0.0).astype(d.time.dtype)
 
     # ---------------------------------------------------------------- host-side checks
-    def check_doses(self, doses: Any) -> None:
+    def check_doses(self, doses: Any, locate: Any = None) -> None:
         """Check a dosing record on the host (numpy), for one subject ``(D,)`` or many
         ``(n, D)``: what cannot be checked inside ``jit``.
 
         :param doses: dosing record (fields ``time, amt, rate, cmt, ss, ii, mask``).
+        :param locate: optional ``locate(index, field) -> str`` naming the dose at ``index``
+            of the arrays and the column of ``field`` (``"cmt"``, ``"rate"``, ...) for the
+            message (:class:`~numpyro_fed.nlme.model.PKModel` names the subject, the row of
+            the input table and its column); default: the index in the dose arrays.
         :raises TypeError: a field is missing.
         :raises ValueError: a real (``mask = True``) dose goes into a compartment the model
             does not have, has a non-finite or negative ``time``/``amt``/``rate``, a zero
             amount with ``rate > 0``, or a steady-state setting the model does not support;
-            the message gives the dose's index and the valid values.
+            the message says which dose (``locate``) and the valid values.
         """
         a = _host_doses(doses)
         mask = a["mask"].astype(bool)
@@ -319,10 +331,10 @@ class StructuralModel(ABC):
         def first(bad: np.ndarray) -> tuple[int, ...]:
             return tuple(int(i) for i in np.argwhere(bad & mask)[0])
 
-        def fail(bad: np.ndarray, what: str) -> None:
+        def fail(bad: np.ndarray, what: Any, field: str = "") -> None:
             if np.any(bad & mask):
                 idx = first(bad)
-                raise ValueError(f"dose at index {idx} of the dose arrays: {what(idx)}")
+                raise ValueError(f"{_dose_where(idx, field, locate)}: {what(idx)}")
 
         cmt = a["cmt"]
         valid_cmt = np.isin(cmt, list(self.compartments))
@@ -333,10 +345,15 @@ class StructuralModel(ABC):
                 f"{self.compartments} (dose into {self.default_dose_cmt} = "
                 f"{self.compartments[self.default_dose_cmt]!r} by default)."
             ),
+            "cmt",
         )
         for field in ("time", "amt", "rate"):
             v = a[field].astype(float)
-            fail(~np.isfinite(v), lambda i, v=v, field=field: f"{field}={v[i]} is not finite.")
+            fail(
+                ~np.isfinite(v),
+                lambda i, v=v, field=field: f"{field}={v[i]} is not finite.",
+                field,
+            )
         rate = a["rate"].astype(float)
         amt = a["amt"].astype(float)
         fail(
@@ -345,14 +362,16 @@ class StructuralModel(ABC):
                 f"rate={rate[i]:g} < 0: modelled rates/durations (NONMEM RATE=-1/-2) are not "
                 "supported; give the infusion rate (> 0) or 0 for a bolus."
             ),
+            "rate",
         )
-        fail(amt < 0, lambda i: f"amt={amt[i]:g} < 0: amounts must be >= 0.")
+        fail(amt < 0, lambda i: f"amt={amt[i]:g} < 0: amounts must be >= 0.", "amt")
         fail(
             (rate > 0) & (amt <= 0),
             lambda i: (
                 f"an infusion (rate={rate[i]:g}) with amt={amt[i]:g}: infusions need amt > 0 "
                 "(a constant steady-state infusion, AMT=0 RATE>0 SS=1 II=0, is not supported)."
             ),
+            "amt",
         )
         ss = a["ss"].astype(bool)
         ii = a["ii"].astype(float)
@@ -364,6 +383,7 @@ class StructuralModel(ABC):
                     "dosing history into individual doses (e.g. enough doses every ii to reach "
                     "steady state) or use an analytic compartment_model."
                 ),
+                "ss",
             )
             return
         fail(
@@ -372,6 +392,7 @@ class StructuralModel(ABC):
                 f"ss=True with ii={ii[i]:g}: a steady-state dose needs an interdose interval "
                 "ii > 0 (constant steady-state infusions, II=0, are not supported)."
             ),
+            "ii",
         )
         with np.errstate(divide="ignore", invalid="ignore"):
             dur = np.where(rate > 0, amt / np.where(rate > 0, rate, 1.0), 0.0)
@@ -381,6 +402,7 @@ class StructuralModel(ABC):
                 f"steady-state infusion of duration amt/rate={dur[i]:g} longer than its "
                 f"interval ii={ii[i]:g}: overlapping steady-state infusions are not supported."
             ),
+            "rate",
         )
 
 
@@ -737,11 +759,12 @@ class CompartmentModel(StructuralModel):
             ok = _or(ok, _and(member, into))
         return ok
 
-    def check_doses(self, doses: Any) -> None:
+    def check_doses(self, doses: Any, locate: Any = None) -> None:
         """Check a dosing record on the host (numpy), for one subject ``(D,)`` or many
         ``(n, D)``: what cannot be checked inside ``jit``.
 
         :param doses: dosing record (fields ``time, amt, rate, cmt, ss, ii, mask``).
+        :param locate: see :meth:`StructuralModel.check_doses`.
         :raises TypeError: a field is missing.
         :raises ValueError: a real (``mask = True``) dose goes into a compartment the model
             does not have, has a non-finite or negative ``time``/``amt``/``rate``, a zero
@@ -749,7 +772,7 @@ class CompartmentModel(StructuralModel):
             model) takes a route the model was not specialised for; the message gives the
             dose's index and the valid values.
         """
-        super().check_doses(doses)
+        super().check_doses(doses, locate)
         if not self.is_specialized:
             return
         a = _host_doses(doses)
@@ -767,7 +790,7 @@ class CompartmentModel(StructuralModel):
         )
         routes = ", ".join(f"{k} into {c}" for k, c in sorted(self.routes)) or "none"
         raise ValueError(
-            f"dose at index {idx} of the dose arrays: {what} is not a route of {self!r}, "
+            f"{_dose_where(idx, 'cmt', locate)}: {what} is not a route of {self!r}, "
             f"specialised by for_doses to the routes [{routes}]"
             f"{'' if self.steady_state else ' without steady state'}. Rebuild the structural "
             "model with model.for_doses(doses) on the new data (or use the general "
