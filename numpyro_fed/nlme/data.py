@@ -173,6 +173,11 @@ def _to_numeric(
     return out.to_numpy(dtype=np.float64, na_value=np.nan)
 
 
+def _max_text(big: float) -> str:
+    """``3.4e38`` for the largest float32."""
+    return f"{big:.2g}".replace("e+", "e")
+
+
 def _check_fits(
     values: np.ndarray, rows: np.ndarray, dtype: np.dtype, col: Hashable, kw: str, where
 ) -> None:
@@ -184,7 +189,7 @@ def _check_fits(
     if bad.size:
         raise ValueError(
             f"column {col!r} ({kw}=) = {values[bad[0]]:g} at {where(bad[0])} overflows "
-            f"{dtype.name} (max {big:.2g}) ({bad.size} such value(s)): rescale the column "
+            f"{dtype.name} (max {_max_text(big)}) ({bad.size} such value(s)): rescale the column "
             "(other units)" + (", or read the table with dtype=np.float64 (and enable JAX's "
             "float64)" if dtype.itemsize < 8 else "") + "."
         )

@@ -121,7 +121,7 @@ def _arg(name: str, columns: Mapping[str, Any] | None) -> str:
     return f"`{name}`" + ("" if col is None else f" (column {col!r})")
 
 
-def _as_cens(cens, who: str):
+def _as_cens(cens, who: str, labels=None, columns=None):
     """``cens`` as a boolean array. A concrete array is checked (values 0/1 or booleans); a
     traced one must already be boolean (its values cannot be checked under ``jit``)."""
     c = _concrete(cens)
@@ -140,8 +140,8 @@ def _as_cens(cens, who: str):
         bad = ~np.isin(c, (0, 1))
         if bad.any():
             raise ValueError(
-                f"{who}: `cens` must hold booleans or 0/1 (1 = below the LLOQ); it has "
-                f"{int(bad.sum())} other value(s) {_where_text(bad, None)} "
+                f"{who}: {_arg('cens', columns)} must hold booleans or 0/1 (1 = below the "
+                f"LLOQ); it has {int(bad.sum())} other value(s) {_where_text(bad, labels)} "
                 f"(values {np.unique(c[bad])[:5].tolist()}). Upper censoring (NONMEM's "
                 "CENS = -1, above the ULOQ) is not supported: drop those rows or mark them "
                 "missing."
@@ -582,7 +582,7 @@ class ErrorModel:
         used = np.ones(shape, bool) if mask is None else full(_as_mask(mask, who), bool)
         c = np.zeros(shape, bool)
         if cens is not None:
-            c = full(np.asarray(_as_cens(np.asarray(cens), who)), bool) & used
+            c = full(np.asarray(_as_cens(np.asarray(cens), who, labels, columns)), bool) & used
         if lloq is None and c.any():
             raise ValueError(f"{who}: `cens` marks {int(c.sum())} observation(s) below the "
                              "LLOQ but `lloq` is None: give the LLOQ (M3 likelihood).")
@@ -605,8 +605,8 @@ class ErrorModel:
             if bad.any():
                 raise ValueError(
                     f"{who}: the exponential error model needs dv > 0 (it models log dv); "
-                    f"{int(bad.sum())} uncensored observation(s) of {_arg('dv', columns)} are "
-                    "<= 0 "
+                    f"{int(bad.sum())} uncensored observation(s) are <= 0"
+                    f"{'' if columns is None else ' in ' + _arg('dv', columns)} "
                     f"{_where_text(bad, labels)}. Fix: use an additive or combined error model "
                     "(e.g. ErrorModel('combined2')), or, if they are below the LLOQ, censor them "
                     "(cens = True with lloq > 0: M3)."

@@ -181,6 +181,11 @@ def _check_obs_cmt(structural: Any, data: PKDataset) -> None:
             "one), or write the system with nlme.ode_model and an observe function.")
 
 
+def _max_text(big: float) -> str:
+    """``3.4e38`` for the largest float32."""
+    return f"{big:.2g}".replace("e+", "e")
+
+
 def _check_float32(data: PKDataset, covariates: list[str]) -> None:
     """Refuse finite values that overflow the float type JAX computes in (float32 unless
     JAX's float64 is enabled): converted, they would silently become infinite."""
@@ -200,7 +205,7 @@ def _check_float32(data: PKDataset, covariates: list[str]) -> None:
             what = "observation" if kind == "obs" else "dose"
             raise ValueError(
                 f"{what} of {data.locate(kind, i, j, item)}: {v[i, j]:g} overflows float32 "
-                f"(max {big:.2g}), the float type JAX computes in ({int(bad.sum())} such "
+                f"(max {_max_text(big)}), the float type JAX computes in ({int(bad.sum())} such "
                 "value(s)): rescale the column (other units), or enable JAX's float64 "
                 "(jax.config.update('jax_enable_x64', True)).")
 
@@ -218,7 +223,7 @@ def _check_float32(data: PKDataset, covariates: list[str]) -> None:
                 i = int(np.flatnonzero(bad)[0])
                 raise ValueError(
                     f"covariate {c!r} of subject {_py(data.ids[i])!r} is {v[i]:g}, which "
-                    f"overflows float32 (max {big:.2g}), the float type JAX computes in: "
+                    f"overflows float32 (max {_max_text(big)}), the float type JAX computes in: "
                     "rescale it (other units), or enable JAX's float64.")
 
 
@@ -426,7 +431,7 @@ class PKModel:
         special = getattr(general, "for_doses", None)
         structural = special(d) if special is not None else general
         _check_obs_cmt(general, data)
-        columns = {"dv": data.column("dv"), "lloq": data.column("lloq")}
+        columns = {k: data.column(k) for k in ("dv", "lloq", "cens")}
         try:
             self.error.check_observations(o.dv, cens=o.cens, mask=o.mask, lloq=o.lloq)
         except ValueError:  # again, with the subjects and rows of the input table
