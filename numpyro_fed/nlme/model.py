@@ -18,7 +18,9 @@ random effects and covariate effects, residual error model.
 The model is an ordinary NumPyro function, ``pk.model(**pk.arrays(data))``: it can be
 handed to :class:`~numpyro_fed.saem.SAEM` directly, to ``numpyro.infer.MCMC`` or
 ``Predictive``, and a hand-written model that calls the same structural and error functions
-is fitted the same way.
+is fitted the same way. ``pk.arrays(data)`` holds the padded arrays and ``binding``, a
+static :class:`Binding` with what the model takes from ``data`` (computed afresh for every
+dataset; ``pk`` itself never changes: ``pk.bind(data)`` returns a bound copy).
 
 Parameterisation (Monolix / saemix convention): for an individual parameter :math:`P` with
 the default log transform,
@@ -81,8 +83,9 @@ class Param:
         (a fraction, e.g. a bioavailability).
     :param covariates: ``{covariate: kind}`` with kind in ``"linear"``, ``"power"``,
         ``"categorical"``; effects on the transformed scale, continuous ones centred at the
-        reference (:attr:`PKModel.references`: the median over subjects of the data of the
-        first fit unless given).
+        reference (:attr:`PKModel.references`: unless given, the median over the subjects of
+        the data the model is used with -- each dataset its own -- and, for a fitted model
+        ``fit.pk``, that of the fitted data).
     """
 
     value: float
@@ -265,8 +268,22 @@ class PKModel:
         (``"additive"``, ``"proportional"``, ``"combined1"``, ``"combined2"``,
         ``"exponential"``).
     :param omega: ``"diag"`` (independent random effects) or ``"full"`` (a full covariance).
-    :param references: reference values of continuous covariates (default: medians of the
-        data of the first :meth:`arrays` call).
+    :param references: reference values of continuous covariates (default: the medians of
+        the data at hand, see :meth:`bind`).
+
+    The model does not change when it meets data: :meth:`arrays` and :meth:`fit` compute
+    what they take from a dataset (covariate references and levels, the structural model
+    specialised to its dosing routes, the record order) afresh for that dataset, so that a
+    model used on one dataset then another computes on the second exactly what a new model
+    would. :meth:`bind` returns a copy bound to a dataset, whose references and levels are
+    kept on other data (the fit's model, ``fit.pk``, is bound to the fitted data).
+
+    Observations are predicted in the compartment each names (``CMT``): the structural
+    model's observed one (``observed_cmt``; ``CMT = 0``, empty, or no ``CMT`` column mean
+    it). An observation of a compartment the structural model lacks, or of one it does not
+    predict (the depot or a peripheral compartment of the compartment models: NONMEM would
+    predict their amount over a scale ``S1``, ``S3``, which they do not compute), is refused
+    with its subject, row and column.
     """
 
     def __init__(self, structural: Callable, params: Mapping[str, Any],
