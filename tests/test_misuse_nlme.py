@@ -350,3 +350,31 @@ def test_a_fit_on_a_second_dataset_is_that_of_a_fresh_model():
     # takes B's routes
     sim = fit_a.simulate(jax.random.key(2), b)
     assert np.all(np.isfinite(sim["f"]))
+
+
+def test_a_dataset_built_from_arrays_is_named_by_subject_and_position():
+    """A PKDataset built from arrays has no input table: a fault is named by subject ID, the
+    observation's (dose's) number within the subject and the item's column name."""
+    data = _data(_table())
+    dv = np.array(data.obs.dv, np.float64)
+    dv[1, 2] = np.nan  # subject 102, 3rd observation
+    obs = data.obs._replace(dv=dv)
+    doses = data.doses._replace(cmt=np.where(np.arange(3)[:, None] == 2, 5, data.doses.cmt))
+    pk = nlme.PKModel(nlme.one_compartment("first_order"), params=ORAL)
+    bare = nlme.PKDataset(data.ids, obs, data.doses, data.covariates, {}, {}, data.ignored)
+    with pytest.raises(ValueError, match=r"`dv` \(column 'DV'\) is NaN or infinite at 1 "
+                                         r"uncensored observation\(s\) at subject 102, "
+                                         r"observation 3 of the subject"):
+        pk.arrays(bare)
+    bare = nlme.PKDataset(data.ids, data.obs, doses, data.covariates, {}, {}, data.ignored)
+    with pytest.raises(ValueError, match=r"dose of subject 103, dose 1 of the subject, column "
+                                         r"'CMT': cmt=5 is not a compartment"):
+        pk.arrays(bare)
+    big = data.obs._replace(dv=np.where(np.arange(5) == 4, 1e39, dv))  # float64: finite
+    bare = nlme.PKDataset(data.ids, big, data.doses, data.covariates, {}, {}, data.ignored)
+    with pytest.raises(ValueError, match=r"observation of subject 101, observation 5 of the "
+                                         r"subject, column 'DV': 1e\+39 overflows float32 "
+                                         r"\(max 3\.4e38\)"):
+        pk.arrays(bare)
+    with pytest.raises(ValueError, match=r"`dv` overflows float32 \(max 3\.4e38\)"):
+        pk.error.check_observations(np.array([1.0, 1e39]))

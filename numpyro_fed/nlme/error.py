@@ -547,7 +547,9 @@ class ErrorModel:
                            labels=None, columns: Mapping[str, Any] | None = None) -> None:
         """Check (host side) that the observations can be evaluated by this error model.
 
-        Refused: NaN or infinite ``dv`` among uncensored observations; ``dv <= 0`` among
+        Refused: NaN or infinite ``dv`` among uncensored observations, and finite values
+        of ``dv`` or ``lloq`` beyond float32 when JAX computes in float32 (they would become
+        infinite); ``dv <= 0`` among
         uncensored observations for the exponential model (:math:`\\log y` undefined);
         ``cens`` not boolean/0-1; ``cens`` with censored entries but no ``lloq``; ``lloq``
         not finite (exponential: not positive) at a censored observation. Entries where
@@ -592,6 +594,20 @@ class ErrorModel:
                                  "are below the LLOQ (cens = True).")
             self._check_lloq(c, full(lloq, float), who, labels, columns)
         obs = used & ~c
+        if not jax.config.jax_enable_x64:  # finite here, infinite once JAX has cast it
+            big = float(np.finfo(np.float32).max)
+            for name, v, where in (("dv", y, obs), ("lloq", lloq, c)):
+                if v is None:
+                    continue
+                v = full(v, float)
+                with np.errstate(invalid="ignore"):
+                    bad = where & np.isfinite(v) & (np.abs(v) > big)
+                if bad.any():
+                    raise ValueError(
+                        f"{who}: {_arg(name, columns)} overflows float32 (max 3.4e38), the "
+                        f"float type JAX computes in, at {int(bad.sum())} observation(s) "
+                        f"{_where_text(bad, labels)}: rescale it (other units), or enable "
+                        "JAX's float64.")
         bad = obs & ~np.isfinite(y)
         if bad.any():
             raise ValueError(
