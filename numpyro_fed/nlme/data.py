@@ -1100,7 +1100,11 @@ class PKDataset:
             f"  doses: {int((rm & (d.rate == 0)).sum())} bolus, "
             f"{int((rm & (d.rate > 0)).sum())} infusion, {int((rm & d.ss).sum())} steady-state; "
             f"compartments {sorted(set(d.cmt[rm].tolist()))}",
-            f"  observation compartments: {sorted(set(o.cmt[o.mask].tolist()))}",
+            "  observation compartments: "
+            + ", ".join(
+                "0 (the model's observed one)" if c == 0 else str(c)
+                for c in sorted(set(o.cmt[o.mask].tolist()))
+            ),
         ]
 
         def describe(names) -> str:
