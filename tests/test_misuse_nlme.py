@@ -378,3 +378,19 @@ def test_a_dataset_built_from_arrays_is_named_by_subject_and_position():
         pk.arrays(bare)
     with pytest.raises(ValueError, match=r"`dv` overflows float32 \(max 3\.4e38\)"):
         pk.error.check_observations(np.array([1.0, 1e39]))
+
+
+def test_the_model_definition_cannot_change_behind_it():
+    """The PKModel keeps copies of its Params, read-only: editing the caller's Param (or
+    trying to replace one) does not change the model, nor what it computes."""
+    cl = nlme.Param(2.0, covariates={"WT": "linear"})
+    pk = nlme.PKModel(nlme.one_compartment("first_order"),
+                      params={"KA": 1.0, "V": 20.0, "CL": cl})
+    data = _data(_table())
+    before = float(log_density(pk.model, (), pk.arrays(data), VALS)[0])
+    cl.covariates["WT"] = "power"
+    cl.value = 5.0
+    assert pk.params["CL"].covariates == {"WT": "linear"} and pk.params["CL"].value == 2.0
+    assert float(log_density(pk.model, (), pk.arrays(data), VALS)[0]) == before
+    with pytest.raises(TypeError):
+        pk.params["CL"] = cl

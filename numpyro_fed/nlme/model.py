@@ -42,10 +42,12 @@ M-step of SAEM updates :math:`\\mu`, :math:`\\beta` and :math:`\\Omega` in close
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -296,7 +298,11 @@ class PKModel:
         optional = dict(getattr(structural, "optional_params", {}) or {})
         if not isinstance(params, Mapping) or not params:
             raise ValueError("params must be a non-empty dict {name: Param(...)}.")
-        self.params = {n: _as_param(n, p) for n, p in params.items()}
+        # copies, read-only: the model's definition cannot change behind it (nor behind the
+        # compiled programs SAEM caches for it) when the caller's Params are edited
+        self.params = MappingProxyType({
+            n: dataclasses.replace(q, covariates=dict(q.covariates))
+            for n, q in ((n, _as_param(n, p)) for n, p in params.items())})
         missing = [n for n in required if n not in self.params]
         if missing:
             raise ValueError(f"params lacks {missing}, required by the structural model "
