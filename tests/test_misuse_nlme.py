@@ -74,9 +74,8 @@ def _ode():
 # ------------------------------------------------------------------ observation compartments
 # (structural model, params, dose CMT, CMT of one sample, refusal text or None if accepted)
 CMT_CASES = [
-    # first-order absorption: 1 depot, 2 central
-    (lambda: nlme.one_compartment("first_order"), ORAL, 1, 1,
-     r"CMT=1 is the 'depot' compartment .*predicts only compartment 2 \('central'\)"),
+    # first-order absorption: 1 depot (its amount is predicted), 2 central
+    (lambda: nlme.one_compartment("first_order"), ORAL, 1, 1, None),
     (lambda: nlme.one_compartment("first_order"), ORAL, 1, 7,
      r"CMT=7 is not a compartment .*\{1: 'depot', 2: 'central'\}"),
     (lambda: nlme.one_compartment("first_order"), ORAL, 1, 3, r"CMT=3 is not a compartment"),
@@ -85,17 +84,19 @@ CMT_CASES = [
     # IV: 1 central
     (lambda: nlme.one_compartment(None), IV, 1, 2, r"CMT=2 is not a compartment"),
     (lambda: nlme.one_compartment(None), IV, 1, 1, None),
-    # peripheral compartments are not predicted
+    # peripheral amounts are not computed by the closed forms
     (lambda: nlme.two_compartment(None), TWO_IV, 1, 2,
-     r"CMT=2 is the 'peripheral' compartment .*predicts only compartment 1"),
+     r"CMT=2 is the 'peripheral' compartment .*predicts only compartment\(s\) 1 "
+     r"\('central'\)"),
     (lambda: nlme.two_compartment("first_order"), TWO_ORAL, 1, 3,
-     r"CMT=3 is the 'peripheral' compartment"),
-    (lambda: nlme.two_compartment("first_order"), TWO_ORAL, 1, 1,
-     r"CMT=1 is the 'depot' compartment"),
+     r"CMT=3 is the 'peripheral' compartment .*1 \('depot'\), 2 \('central'\)"),
+    (lambda: nlme.two_compartment("first_order"), TWO_ORAL, 1, 1, None),
     (lambda: nlme.three_compartment(None), {**TWO_IV, "Q3": 1.0, "V3": 40.0}, 1, 4,
      r"CMT=4 is not a compartment"),
-    # an ODE model observes its central compartment
-    (_ode, ORAL, 1, 1, r"CMT=1 is the 'depot' compartment of ode_model"),
+    (lambda: nlme.three_compartment(None), {**TWO_IV, "Q3": 1.0, "V3": 40.0}, 1, 3,
+     r"CMT=3 is the 'peripheral2' compartment"),
+    # an ODE model predicts the amount of any of its compartments
+    (_ode, ORAL, 1, 1, None),
     (_ode, ORAL, 1, 5, r"CMT=5 is not a compartment of ode_model"),
     (_ode, ORAL, 1, 2, None),
 ]
@@ -106,14 +107,20 @@ CMT_CASES = [
 def test_an_observation_compartment_the_model_cannot_predict_is_refused(make, params,
                                                                           dose_cmt, cmt, text):
     """An observation's CMT is honoured: a compartment the structural model lacks or does not
-    predict is refused, naming the subject, the row and the column; one it predicts (or 0:
-    its observed compartment) is accepted."""
+    predict is refused, naming the subject, the row and the column; one it predicts is
+    predicted there (another compartment than the observed one: another log density), 0 is
+    the observed compartment."""
     structural = make()
     observed = structural.observed_cmt
     df = _set(_table(cmt_obs=observed, dose_cmt=dose_cmt), 18, CMT=cmt)  # subject 102
     pk = nlme.PKModel(structural, params=params)
     if text is None:
-        pk.arrays(_data(df))
+        vals = {f"phi_{k}": np.full(3, np.log(v), np.float32) for k, v in params.items()}
+        lp = float(log_density(pk.model, (), pk.arrays(_data(df)), vals)[0])
+        lp_obs = float(log_density(pk.model, (), pk.arrays(_data(_table(
+            cmt_obs=observed, dose_cmt=dose_cmt))), vals)[0])
+        assert np.isfinite(lp)
+        assert (lp == lp_obs) == (cmt in (0, observed))
         return
     with pytest.raises(ValueError, match=r"subject 102, row 18, column 'CMT'.*" + text):
         pk.arrays(_data(df))
@@ -148,16 +155,34 @@ def test_observations_without_a_compartment_are_of_the_observed_one():
         pk_plain.arrays(_data(_set(_table(cmt_obs=2), 18, CMT=3)))
 
 
-def test_a_depot_sample_no_longer_fits_like_a_central_one():
+def test_a_depot_sample_is_predicted_in_the_depot():
     """The issue's example: samples of one subject marked CMT=1 (the depot of an oral model)
-    were fitted bit-identically to CMT=2; they are now refused (this library predicts the
-    central compartment only), and so is CMT=7."""
+    were fitted bit-identically to CMT=2. They are now predicted as NONMEM does, the amount
+    in the depot (A(1)/S1, no scale S1): 100 e^{-KA t} after a bolus of 100 at 0 (float32
+    round-off); the other subjects keep their central concentrations; CMT=7 is refused."""
     pk = nlme.PKModel(nlme.one_compartment("first_order"), params=ORAL)
-    for c in (1, 7):
-        df = _table(cmt_obs=2)
-        df.loc[df["ID"].eq(103) & df["EVID"].eq(0), "CMT"] = c
-        with pytest.raises(ValueError, match=rf"subject 103, row 23, column 'CMT': CMT={c} "):
-            pk.arrays(_data(df))
+    df = _table(cmt_obs=2)
+    df.loc[df["ID"].eq(103) & df["EVID"].eq(0), "CMT"] = 1
+    data, central = _data(df), _data(_table(cmt_obs=2))
+    a, a2 = pk.arrays(data), pk.arrays(central)
+    assert "obs_cmt" in a and "obs_cmt" not in a2
+    ind = {k: jnp.full(3, v) for k, v in ORAL.items()}
+    f = np.asarray(pk.predict(ind, jnp.asarray(a["obs_time"]), _doses(a), a["doses_before"],
+                              binding=a["binding"], obs_cmt=a["obs_cmt"]))
+    f2 = np.asarray(pk.predict(ind, jnp.asarray(a2["obs_time"]), _doses(a2),
+                               a2["doses_before"], binding=a2["binding"]))
+    t = np.asarray(a["obs_time"][2], np.float64)
+    np.testing.assert_allclose(f[2], 100.0 * np.exp(-1.0 * t), rtol=1e-5)
+    np.testing.assert_array_equal(f[:2], f2[:2])
+    assert not np.allclose(f[2], f2[2])
+    df.loc[df["ID"].eq(103) & df["EVID"].eq(0), "CMT"] = 7
+    with pytest.raises(ValueError, match=r"subject 103, row 23, column 'CMT': CMT=7 "):
+        pk.arrays(_data(df))
+
+
+def _doses(a):
+    return nlme.Doses(*(jnp.asarray(a[k]) for k in (
+        "dose_time", "dose_amt", "dose_rate", "dose_cmt", "dose_ss", "dose_ii", "dose_mask")))
 
 
 # ------------------------------------------------------------------ model-stage messages

@@ -206,8 +206,10 @@ class NLMEFit:
     def _predict(self, indiv: dict, arrays: dict, times=None):
         t = jnp.asarray(arrays["obs_time"] if times is None else times)
         nb = arrays["doses_before"] if times is None else None
+        cmt = arrays.get("obs_cmt") if times is None else None  # a grid: the observed one
         return np.asarray(self.pk.predict({k: jnp.asarray(v) for k, v in indiv.items()}, t,
-                                          _doses(arrays), nb, binding=arrays.get("binding")))
+                                          _doses(arrays), nb, binding=arrays.get("binding"),
+                                          obs_cmt=cmt))
 
     def cwres(self) -> np.ndarray:
         """Conditional weighted residuals ``(n, T)`` (FOCE-I linearisation at the EBEs, see
@@ -223,7 +225,8 @@ class NLMEFit:
             phi = dict(typ)
             phi.update({n: typ[n] + e[:, k] for k, n in enumerate(rn)})
             f = pk.predict(pk.individual(phi), jnp.asarray(a["obs_time"]), _doses(a),
-                           a["doses_before"], binding=a.get("binding"))
+                           a["doses_before"], binding=a.get("binding"),
+                           obs_cmt=a.get("obs_cmt"))
             return jnp.log(f) if log_scale else f
 
         def lin(e):  # subject i's output depends on eta_i only: one jvp per random effect
@@ -314,7 +317,8 @@ class NLMEFit:
             phi = dict(typ)
             for k, m in enumerate(names):
                 phi[m] = typ[m] + e[:, k]
-            return pk.predict(pk.individual(phi), t, doses, nb, binding=arrays["binding"])
+            return pk.predict(pk.individual(phi), t, doses, nb, binding=arrays["binding"],
+                              obs_cmt=arrays.get("obs_cmt"))
 
         f = jax.jit(jax.vmap(one))(jnp.asarray(eta, t.dtype))
         y = pk.error.sample(k_eps, f, self._error_params())

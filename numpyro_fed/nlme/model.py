@@ -110,6 +110,8 @@ class Binding:
         can be (:meth:`~numpyro_fed.nlme.pk.CompartmentModel.for_doses`).
     :ivar record_order: whether a sample is recorded before a dose given at the same time
         (the predictions then follow the record order).
+    :ivar obs_cmt: whether an observation names a compartment other than the observed one
+        (the model then passes each observation's compartment to the structural model).
     :ivar data: the dataset (not compared; for the messages naming its rows).
     """
 
@@ -117,6 +119,7 @@ class Binding:
     levels: tuple
     structural: Any
     record_order: bool
+    obs_cmt: bool = False
     data: Any = field(default=None, compare=False, repr=False)
 
 
@@ -140,9 +143,10 @@ def _dose_locate(data: PKDataset, idx: tuple, item: str) -> str:
     return "dose of " + data.locate("dose", idx[0], idx[1], item or None)
 
 
-def _check_obs_cmt(structural: Any, data: PKDataset) -> None:
+def _check_obs_cmt(structural: Any, data: PKDataset) -> bool:
     """Refuse observations of a compartment the structural model lacks or does not predict
-    (``obs.cmt = 0``: its observed compartment)."""
+    (``obs.cmt = 0``: its observed compartment); return whether an observation names a
+    compartment other than the observed one (predicted from the per-sample ``cmt``)."""
     o = data.obs
     cm = np.where(o.mask, np.asarray(o.cmt), 0)
     named = o.mask & (cm > 0)
@@ -161,7 +165,7 @@ def _check_obs_cmt(structural: Any, data: PKDataset) -> None:
                 "compartment (attributes compartments/observed_cmt) nowhere. Keep the "
                 "observations of one compartment, or use a structural model that declares "
                 "them.")
-        return
+        return False
     comps = dict(comps)
     predicted = tuple(getattr(structural, "predicted_cmts", (observed,)))
     bad = named & ~np.isin(cm, list(comps))
@@ -178,12 +182,14 @@ def _check_obs_cmt(structural: Any, data: PKDataset) -> None:
         c = int(cm[i, j])
         raise ValueError(
             f"observation of {data.locate('obs', i, j, 'cmt')}: CMT={c} is the {comps[c]!r} "
-            f"compartment of {structural!r}, which predicts only compartment "
+            f"compartment of {structural!r}, which predicts only compartment(s) "
             f"{', '.join(f'{k} ({comps[k]!r})' for k in predicted)} ({int(bad.sum())} such "
             "observation(s)). NONMEM would predict the amount in compartment "
             f"{c} divided by its scale S{c}; this model cannot: give the observation the "
             f"CMT of the compartment it measures ({observed}, or 0 / empty for the observed "
-            "one), or write the system with nlme.ode_model and an observe function.")
+            "one), or write the system with nlme.ode_model (it predicts the amount of every "
+            "compartment).")
+    return bool(np.any(named & (cm != observed)))
 
 
 def _max_text(big: float) -> str:
@@ -453,7 +459,7 @@ class PKModel:
         # CompartmentModel.for_doses) is specialised to those of these data
         special = getattr(general, "for_doses", None)
         structural = special(d) if special is not None else general
-        _check_obs_cmt(general, data)
+        obs_cmt = _check_obs_cmt(general, data)
         columns = {k: data.column(k) for k in ("dv", "lloq", "cens")}
         try:
             self.error.check_observations(o.dv, cens=o.cens, mask=o.mask, lloq=o.lloq)
@@ -467,7 +473,7 @@ class PKModel:
         predose = bool(np.any(o.mask & (np.asarray(data.doses_before) < at_or_before)))
         return Binding(references=tuple(sorted(refs.items())),
                        levels=tuple(sorted(levels.items())), structural=structural,
-                       record_order=predose, data=data)
+                       record_order=predose, obs_cmt=obs_cmt, data=data)
 
     def arrays(self, data: PKDataset) -> dict[str, Any]:
         """The keyword arguments of :meth:`model` for ``data``: padded subject arrays, and
@@ -495,6 +501,8 @@ class PKModel:
             "dose_cmt": d.cmt, "dose_ss": d.ss, "dose_ii": d.ii, "dose_mask": d.mask,
             "doses_before": np.asarray(data.doses_before, np.int32),
         }
+        if b.obs_cmt:  # only then: the arguments of data without it are unchanged
+            out["obs_cmt"] = np.asarray(o.cmt, np.int32)
         for c in self.covariate_names:
             out[f"cov_{c}"] = np.asarray(data.covariates[c])
         out["binding"] = b
@@ -551,7 +559,7 @@ class PKModel:
         return {n: TRANSFORMS[self.params[n].transform][0](v) for n, v in phi.items()}
 
     def predict(self, indiv: dict, obs_time, doses: Doses, doses_before=None, *,
-                binding: Binding | None = None):
+                binding: Binding | None = None, obs_cmt=None):
         """Structural predictions ``(n, T)`` for individual parameters ``{name: (n,)}``.
 
         With ``doses_before`` ``(n, T)`` (and data that need it, ``binding.record_order``):
@@ -559,27 +567,35 @@ class PKModel:
         and a sample at the same time -- at the cost of one structural evaluation per
         sample. ``binding`` (``arrays(data)["binding"]``) gives the structural model
         specialised to the data's dosing routes; default: this model's own binding if it is
-        bound, else the general structural model."""
+        bound, else the general structural model. ``obs_cmt`` ``(n, T)`` (``arrays(data)``
+        has it when an observation names a compartment other than the observed one): each
+        observation is predicted in the compartment it names (0: the observed one)."""
         b = self._default_binding(doses_before) if binding is None else binding
         structural = b.structural
+        if obs_cmt is None:
+            call = structural
+        else:
+            def call(p, t, d, c):
+                return structural(p, t, d, cmt=c)
+        cmts = () if obs_cmt is None else (jnp.asarray(obs_cmt),)
         if doses_before is None or not b.record_order:
-            return jax.vmap(structural)(indiv, obs_time, doses)
+            return jax.vmap(call)(indiv, obs_time, doses, *cmts)
 
-        def subject(p, t, d, nb):
+        def subject(p, t, d, nb, *c):
             D = d.mask.shape[-1]
 
-            def sample(tj, nj):
+            def sample(tj, nj, *cj):
                 dj = d._replace(mask=d.mask & (jnp.arange(D) < nj))
-                return structural(p, tj[None], dj)[0]
+                return call(p, tj[None], dj, *(x[None] for x in cj))[0]
 
-            return jax.vmap(sample)(t, nb)
+            return jax.vmap(sample)(t, nb, *c)
 
-        return jax.vmap(subject)(indiv, obs_time, doses, doses_before)
+        return jax.vmap(subject)(indiv, obs_time, doses, doses_before, *cmts)
 
     # ------------------------------------------------------------------ model
     def model(self, obs_time, dv=None, obs_mask=None, cens=None, lloq=None, *, dose_time,
               dose_amt, dose_rate, dose_cmt, dose_ss, dose_ii, dose_mask, doses_before=None,
-              binding: Binding | None = None, **covs):
+              obs_cmt=None, binding: Binding | None = None, **covs):
         """The NumPyro model (keyword arguments: :meth:`arrays`, ``binding`` included);
         ``dv=None`` simulates."""
         n, T = obs_time.shape
@@ -614,7 +630,8 @@ class PKModel:
             for nm in self.names:
                 if nm not in phi:
                     phi[nm] = locs[nm]
-            f = self.predict(self.individual(phi), obs_time, doses, doses_before, binding=b)
+            f = self.predict(self.individual(phi), obs_time, doses, doses_before, binding=b,
+                             obs_cmt=obs_cmt)
             try:
                 d = self.error.dist(f, errp, cens=cens, lloq=lloq)
             except ValueError:

@@ -864,21 +864,102 @@ class CompartmentModel(StructuralModel):
         return lam, rows / denom
 
     # ---------------------------------------------------------------- prediction
-    def __call__(self, params: Mapping[str, Any], t: jax.Array, doses: Any) -> jax.Array:
-        """Concentrations ``(T,)`` in the central compartment for one subject.
+    @property
+    def predicted_cmts(self) -> tuple[int, ...]:
+        """The compartments an observation may name (``cmt=`` of :meth:`__call__`): the
+        central one and, with first-order absorption, the depot (its amount, NONMEM's
+        ``A(1)/S1`` with ``S1 = 1``); the peripheral amounts are not computed."""
+        return (1, 2) if self.absorption is not None else (1,)
+
+    def __call__(
+        self, params: Mapping[str, Any], t: jax.Array, doses: Any, cmt: Any = None
+    ) -> jax.Array:
+        """Concentrations ``(T,)`` in the central compartment for one subject (or, with
+        ``cmt``, in the compartment each observation names).
 
         :param params: ``{name: scalar}`` with every name of ``param_names`` (and any of
             ``TLAG``, ``F``).
         :param t: ``(T,)`` observation times.
         :param doses: dosing record, fields ``time, amt, rate, cmt, ss, ii, mask`` ``(D,)``.
-        :return: ``(T,)`` central concentrations ``A_central(t) / V``.
+        :param cmt: optional ``(T,)`` int compartment of each observation: 0 or the central
+            one give ``A_central(t) / V``; the depot (1, with first-order absorption) gives
+            its amount ``A_depot(t)`` (NONMEM's prediction ``A(1)/S1`` without a scale
+            ``S1``); another compartment gives NaN (checked on the host by
+            :class:`~numpyro_fed.nlme.model.PKModel`).
+        :return: ``(T,)`` central concentrations ``A_central(t) / V`` (see ``cmt``).
         :raises ValueError: unknown or missing parameter names, non-scalar parameters, bad
             shapes (at trace time).
         """
         p, t, d = self._prepare(params, t, doses)
         # TLAG and F are static: absent from params, their (neutral) code is not traced
-        amount = self._central_amount(p, t, d, lag="TLAG" in params, bio="F" in params)
-        return amount / p["V"] + self._poison(d)
+        lag, bio = "TLAG" in params, "F" in params
+        out = self._central_amount(p, t, d, lag=lag, bio=bio) / p["V"]
+        if cmt is not None:
+            cmt = jnp.asarray(cmt, jnp.int32)
+            central = self.observed_cmt
+            other = jnp.full(t.shape, jnp.nan, t.dtype)
+            if self.absorption is not None:
+                other = jnp.where(cmt == 1, self._depot_amount(p, t, d, lag, bio), other)
+            out = jnp.where((cmt == 0) | (cmt == central), out, other)
+        return out + self._poison(d)
+
+    def _depot_amount(
+        self, p: dict[str, jax.Array], t: jax.Array, d: _DoseArrays, lag: bool, bio: bool
+    ) -> jax.Array:
+        """Amount ``(T,)`` in the depot: the sum over the doses into it (bolus: ``F amt
+        e^{-ka x}``; infusion: ``rate (1 - e^{-ka x}) / ka`` while it runs, then decaying;
+        steady state: the geometric sum of the train), with the dose timing (``TLAG``,
+        steady-state resets) of :meth:`_central_amount`."""
+        ka = p["KA"]
+        zero = jnp.zeros((), t.dtype)
+        depot = d.mask & (d.cmt == 1)
+        amt = p["F"] * d.amt if bio else d.amt
+        inf = depot & (d.rate > 0)
+        rate = jnp.where(inf, d.rate, 1.0)
+        tau = jnp.where(inf, amt / rate, zero)
+        te = d.time + p["TLAG"] if lag else d.time
+        dt = t[:, None] - te[None, :]
+        ss = d.ss & depot
+        if self.steady_state:
+            ii = jnp.where(d.ss, d.ii, 1.0)
+            m0 = jnp.where(d.ss & (dt < 0), jnp.ceil(-dt / ii), 0.0)
+            dt = dt + m0 * ii
+            started = jnp.where(d.ss, t[:, None] >= d.time[None, :], dt >= 0)
+            idx = jnp.arange(d.time.shape[0])
+            later = (d.time[None, :] > d.time[:, None]) | (
+                (d.time[None, :] == d.time[:, None]) & (idx[None, :] > idx[:, None])
+            )
+            reset = jnp.min(
+                jnp.where(later & d.ss[None, :], d.time[None, :], jnp.inf), axis=1,
+                initial=jnp.inf)
+            active = d.mask[None, :] & started & (t[:, None] < reset[None, :])
+        else:
+            ii = jnp.ones_like(d.time)
+            active = d.mask[None, :] & (dt >= 0)
+        x = jnp.where(active, jnp.maximum(dt, 0.0), 0.0)
+        running = x < tau[None, :]
+        # g(y) = (1 - e^{-ka y}) / ka, without cancellation
+        g = lambda y: -jnp.expm1(-ka * y) / ka  # noqa: E731
+        after = jnp.where(running, 0.0, x - tau[None, :])
+        single = jnp.where(
+            inf[None, :],
+            d.rate[None, :] * jnp.where(running, g(x), g(tau)[None, :] * jnp.exp(-ka * after)),
+            amt[None, :] * jnp.exp(-ka * x),
+        )
+        if self.steady_state:
+            # the earlier doses of the train, every ii before this one (all finished: tau <=
+            # ii): bolus amt e^{-ka (x + k ii)}, infusion rate g(tau) e^{-ka (x - tau + k ii)},
+            # k >= 1, summed
+            iic = ii[None, :]
+            train = jnp.where(
+                inf[None, :],
+                d.rate[None, :] * g(tau)[None, :] * jnp.exp(-ka * (x - tau[None, :] + iic)),
+                amt[None, :] * jnp.exp(-ka * (x + iic)),
+            ) / -jnp.expm1(-ka * iic)
+            single = single + jnp.where(ss[None, :], train, 0.0)
+            bad = ss & inf & (tau > ii)  # overlapping steady-state infusions: NaN
+            single = jnp.where(bad[None, :], jnp.nan, single)
+        return jnp.sum(jnp.where(active & depot[None, :], single, 0.0), axis=1)
 
     def _central_amount(
         self, p: dict[str, jax.Array], t: jax.Array, d: _DoseArrays, lag: bool, bio: bool
