@@ -286,12 +286,13 @@ class PKModel:
     would. :meth:`bind` returns a copy bound to a dataset, whose references and levels are
     kept on other data (the fit's model, ``fit.pk``, is bound to the fitted data).
 
-    Observations are predicted in the compartment each names (``CMT``): the structural
-    model's observed one (``observed_cmt``; ``CMT = 0``, empty, or no ``CMT`` column mean
-    it). An observation of a compartment the structural model lacks, or of one it does not
-    predict (the depot or a peripheral compartment of the compartment models: NONMEM would
-    predict their amount over a scale ``S1``, ``S3``, which they do not compute), is refused
-    with its subject, row and column.
+    Observations are predicted in the compartment each names (``CMT``), as NONMEM does: the
+    structural model's observed one (``observed_cmt``, the central concentration; ``CMT =
+    0``, empty, or no ``CMT`` column mean it), or another of its ``predicted_cmts``, whose
+    amount is predicted (NONMEM's ``A(n)/Sn`` without a scale ``Sn``: the depot of the
+    compartment models, any compartment of an ODE model). An observation of a compartment
+    the structural model lacks, or of one it does not predict (a peripheral compartment of
+    the closed forms), is refused with its subject, row and column.
     """
 
     def __init__(self, structural: Callable, params: Mapping[str, Any],

@@ -36,7 +36,11 @@ those of the second one. All must be positive. Optional parameters (defaults in
   (the depot with first-order absorption, the central compartment without: NONMEM's ``F1``).
   For an infusion the rate is kept and the duration becomes ``F * amt / rate`` (NONMEM).
 
-The prediction is ``A_central(t) / V``.
+The prediction is ``A_central(t) / V``. With ``f(params, t, doses, cmt=cmt)`` (``cmt``:
+``(T,)`` compartment of each observation, 0 = central) an observation of the depot gets the
+depot amount ``A_depot(t)`` (NONMEM's ``A(1)/S1`` without a scale ``S1``); peripheral
+amounts are not computed (NaN; :class:`~numpyro_fed.nlme.model.PKModel` refuses such
+observations on the host). ``predicted_cmts`` lists the compartments predicted.
 
 **Dosing** (any mix, per dose): bolus (``rate = 0``) into the depot (first-order absorption),
 the central compartment (IV bolus) or a peripheral one; zero-order infusion (``rate > 0``,
@@ -203,7 +207,9 @@ class StructuralModel(ABC):
     supports_steady_state: bool = True
 
     @abstractmethod
-    def __call__(self, params: Mapping[str, Any], t: jax.Array, doses: Any) -> jax.Array:
+    def __call__(
+        self, params: Mapping[str, Any], t: jax.Array, doses: Any, cmt: Any = None
+    ) -> jax.Array:
         """Concentrations ``(T,)`` in the observed compartment for one subject.
 
         :param params: parameter name -> scalar (every name of ``param_names``, any of
@@ -211,6 +217,9 @@ class StructuralModel(ABC):
         :param t: ``(T,)`` observation times.
         :param doses: dosing record with fields ``time, amt, rate, cmt, ss, ii, mask``, each
             ``(D,)``.
+        :param cmt: optional ``(T,)`` compartment of each observation (0: the observed one);
+            one of ``predicted_cmts`` other than ``observed_cmt`` is predicted as its amount
+            (NONMEM's ``A(n)/Sn`` without a scale), another one is NaN.
         :return: ``(T,)`` predicted concentrations.
         """
 
