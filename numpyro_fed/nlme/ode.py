@@ -25,6 +25,11 @@ differentiable in ``params`` by :func:`jax.grad`, :func:`jax.jacfwd` and :func:`
   one into a compartment the model lacks or with ``rate < 0``, makes the subject's
   predictions NaN.
 
+**Observations** are ``observe(A, params)`` (by default ``A[central-1] / V``); with
+``f(params, t, doses, cmt=cmt)`` (``(T,)`` compartment of each observation, 0 = central) an
+observation of another compartment ``c`` is its amount ``A[c-1]`` (NONMEM's ``A(c)/Sc``
+without a scale ``Sc``).
+
 **Method.** The dose starts, infusion ends and observation times are merged into one sorted
 grid of static size ``2 D + T`` (padding sorted last and skipped); a :func:`jax.lax.scan` over
 it solves the ODE from each grid point to the next with one :func:`diffrax.diffeqsolve`
