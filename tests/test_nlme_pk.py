@@ -231,10 +231,10 @@ def test_depot_and_compartment_amounts_match_the_ode_solution():
     of ``oral_cases`` (depot bolus and infusion, central and peripheral doses), TLAG and F,
     against the ODE's depot state (the ODE predicting each observation's compartment: its
     amount, or ``observe`` for the central one); 1e-8 of the peak amount (measured <= 6e-12,
-    the ODE's own error: rtol 1e-10, atol 1e-12). ``cmt`` 0 or central is the central concentration, bit for bit; a mix per
-    observation picks each; a compartment the closed form does not compute is NaN. The
-    depot at steady state (bolus, infusion; lag; reset by the SS dose, a later dose added)
-    equals 200 doses every ii (1e-9 relative)."""
+    the ODE's own error: rtol 1e-10, atol 1e-12). ``cmt`` 0 or central is the central
+    concentration, bit for bit; a mix per observation picks each; a compartment the closed
+    form does not compute is NaN. The depot at steady state (bolus, infusion; lag; reset by
+    the SS dose, a later dose added) equals 200 doses every ii (1e-9 relative)."""
     with jax.enable_x64(True):
         t = jnp.asarray(TIMES)
         ones = jnp.ones(t.shape, jnp.int32)
