@@ -55,8 +55,8 @@ from numpyro_fed.saem.mstep import (
     UserMStep,
     detect_gaussian,
 )
-from numpyro_fed.saem.result import SAEMResult
-from numpyro_fed.saem.schedule import Schedule
+from numpyro_fed.saem.result import SAEMResult, boundary_advice, boundary_collapse
+from numpyro_fed.saem.schedule import MAX_ITERATIONS, Schedule
 
 __all__ = ["SAEM", "SAEMState", "fit_saem"]
 
@@ -277,6 +277,13 @@ class SAEM:
         self.num_mcmc_steps = check_int("num_mcmc_steps", num_mcmc_steps, minimum=1)
         self._num_chains = check_int("num_chains", num_chains, minimum=1, allow_none=True)
         self.num_draws = check_int("num_draws", num_draws, minimum=1)
+        if self.num_draws > MAX_ITERATIONS:
+            # kept draws are a (num_draws, chains, latents) buffer of the compiled loop
+            raise ValueError(
+                f"num_draws={self.num_draws}: more than {MAX_ITERATIONS:,} draws per chain "
+                "(each a copy of every latent variable, kept in memory); the default 200 "
+                "gives standard errors and the likelihood's proposals."
+            )
         self.init_strategy = init_strategy
         self.init_jitter = check_float("init_jitter", init_jitter, low=0.0)
         self.schedule = Schedule() if schedule is None else schedule
@@ -617,7 +624,9 @@ class SAEM:
         state, zs, dacc = carry
         bad = int(state.bad_iter)
         if bad != -1:
-            raise self._divergence_error(st, state, theta0, bad, args, kwargs)
+            # the updates before the failure (a failed iteration keeps the last finite theta)
+            traj = thetas[B1:B1 + max(bad, 0)]
+            raise self._divergence_error(st, state, theta0, bad, args, kwargs, traj)
         res = SAEMResult(
             model=self.model, info=info, layout=st.layout if st.has_subjects else None,
             ids=ids, theta=np.asarray(state.theta),
@@ -649,11 +658,27 @@ class SAEM:
         return ids
 
     def _divergence_error(self, st: _Structure, state: SAEMState, theta0, bad: int, args,
-                          kwargs) -> DivergenceError:
+                          kwargs, traj=None) -> DivergenceError:
         """The error for a non-finite E-step (host side, after the run): it quotes the
         E-step kernel's own step size and, when the log-density of a site is already
-        non-finite at that theta for the latents the E-step started from, names the site."""
+        non-finite at that theta for the latents the E-step started from, names the site.
+        When a parameter was heading to the boundary of its support (a variance collapsing
+        to 0, see :func:`~numpyro_fed.saem.result.boundary_collapse`), that is the cause
+        named, with its last finite value and the iteration."""
         info = st.info
+        if bad >= 0 and traj is not None and len(traj):
+            tc = np.asarray(jax.vmap(info.theta_c_flat)(jnp.asarray(traj)))
+            b = boundary_collapse(info, tc, np.asarray(info.theta_c_flat(jnp.asarray(theta0))))
+            if b is not None:
+                what = "M-step" if bool(state.bad_mstep) else "E-step"
+                return DivergenceError(
+                    f"SAEM: '{b['name']}' collapsed to its boundary {b['bound']:g}: its last "
+                    f"finite value was {b['value']:.3g} at iteration {b['iteration']} (down "
+                    f"from {b['reference']:.3g}), and the {what} became non-finite at "
+                    f"iteration {bad + 1} (theta={_format_theta(info, state.bad_theta)}). The "
+                    f"constraint of '{b['name']}' is respected; "
+                    + boundary_advice(b) + "."
+                )
         summary = st.estep.step_size_summary(state.estate)
         if not st.builtin:
             name = type(st.estep.kernel).__name__

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
+from numpyro_fed._validation import check_int, check_positive_float
 from numpyro_fed.saem import likelihood as lik
 from numpyro_fed.saem.model import (
     ModelInfo,
@@ -25,7 +26,95 @@ __all__ = ["SAEMResult", "ConvergenceWarning"]
 
 
 class ConvergenceWarning(UserWarning):
-    """The SAEM fit shows signs of not having converged."""
+    """The SAEM fit shows signs of not having converged (see
+    :meth:`SAEMResult.check_convergence`); its standard errors and -2LL are then not to be
+    trusted, and say so."""
+
+
+#: a coordinate whose distance to the boundary of its support fell below this fraction of
+#: the largest distance it had before (from theta_0 on) is "heading to its boundary": three
+#: orders of magnitude (a standard deviation of 1 becoming 0.001) is no longer a Monte Carlo
+#: fluctuation of a well-defined estimate (those are a few percent in the final phase), and
+#: NONMEM's own boundary test flags far smaller moves
+BOUNDARY_RATIO = 1e-3
+
+
+def _boundary_coords(info) -> list[tuple[int, str, float, int]]:
+    """``(flat constrained index, name, bound, sign)`` for every coordinate of theta whose
+    support has a finite boundary: ``sign * (x - bound) > 0`` inside. Lower/upper bounds of
+    elementwise constraints (``positive``, ``interval``, ...); the diagonal of covariance
+    and Cholesky parameters (bound 0: a variance of the matrix collapsing)."""
+    out = []
+    for i, n in enumerate(info.param_names):
+        c = info.param_constraints[n]
+        off = int(info.param_offsets[i])
+        size = int(info.param_offsets[i + 1]) - off
+        names = info.theta_coord_names[off:off + size]
+        lo, hi = getattr(c, "lower_bound", None), getattr(c, "upper_bound", None)
+        if getattr(c, "event_dim", 0) == 0 and (lo is not None or hi is not None):
+            for j in range(size):
+                if lo is not None and np.all(np.isfinite(lo)):
+                    out.append((off + j, names[j], float(np.reshape(lo, -1)[0]), 1))
+                if hi is not None and np.all(np.isfinite(hi)):
+                    out.append((off + j, names[j], float(np.reshape(hi, -1)[0]), -1))
+        elif type(c).__name__ in ("_PositiveDefinite", "_LowerCholesky",
+                                  "_ScaledUnitLowerCholesky", "_SoftplusLowerCholesky",
+                                  "_PositiveSemiDefinite"):
+            shape = np.shape(info.theta0_c[n])
+            if len(shape) == 2 and shape[0] == shape[1]:
+                for j in range(shape[0]):
+                    k = j * shape[1] + j
+                    out.append((off + k, names[k], 0.0, 1))
+    return out
+
+
+def boundary_collapse(info, theta_c: np.ndarray, theta0_c: np.ndarray | None = None):
+    """The coordinate of theta heading fastest to the boundary of its support along the
+    trajectory ``theta_c`` (rows: iterations, constrained flat coordinates), or ``None``.
+
+    A coordinate heads to its boundary when its distance to it falls below
+    :data:`BOUNDARY_RATIO` times the largest distance it had before (``theta0_c`` included):
+    a variance whose maximum-likelihood estimate is 0 (a random effect the data do not
+    show, every observation equal) goes there geometrically under EM.
+
+    :return: ``None`` or a dict with ``name``, ``bound``, ``value`` (its value at
+        ``iteration``, the 1-based row where the ratio is smallest), ``ratio`` and
+        ``reference`` (the value it fell from).
+    """
+    rows = np.asarray(theta_c, np.float64)
+    if theta0_c is not None:
+        rows = np.concatenate([np.asarray(theta0_c, np.float64).reshape(1, -1), rows])
+    first = 0 if theta0_c is None else 1
+    best = None
+    for j, name, bound, sign in _boundary_coords(info):
+        d = sign * (rows[:, j] - bound)
+        ok = np.isfinite(d)
+        if ok.sum() < 2:
+            continue
+        d = np.where(ok, d, np.nan)
+        run_max = np.fmax.accumulate(np.where(ok, d, -np.inf))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(ok & (run_max > 0), d / run_max, np.nan)
+        ratio[: first + 1] = np.nan  # a row is compared with those before it
+        if not np.any(np.isfinite(ratio)):
+            continue
+        k = int(np.nanargmin(ratio))
+        r = float(ratio[k])
+        if r < BOUNDARY_RATIO and (best is None or r < best["ratio"]):
+            ref = int(np.nanargmax(np.where(ok[: k + 1], d[: k + 1], -np.inf)))
+            best = {"name": name, "bound": bound, "value": float(rows[k, j]),
+                    "iteration": k - first + 1, "ratio": r, "reference": float(rows[ref, j])}
+    return best
+
+
+def boundary_advice(b: dict) -> str:
+    """What to do about a parameter at the boundary of its support."""
+    return (f"the maximum-likelihood estimate of '{b['name']}' is probably its boundary "
+            f"{b['bound']:g} (a variance or scale the data do not support: every subject "
+            "alike, all observations equal, a random effect or error term with nothing to "
+            "describe). Remove that random effect or error term from the model (or fix "
+            f"'{b['name']}'), or check the data; estimates and standard errors at a boundary "
+            "are not regular")
 
 
 class SAEMResult:
@@ -202,6 +291,13 @@ class SAEMResult:
         """
         if method not in ("is", "gq", "laplace"):
             raise ValueError(f"method={method!r}: use 'is', 'gq' or 'laplace'.")
+        # the importance sample is drawn in whole batches: num_samples=0 would draw one batch
+        # and report 0 samples, so every size is checked
+        num_samples = check_int("num_samples", num_samples, minimum=1,
+                                hint=" Importance sampling needs draws (default 5000).")
+        batch_size = check_int("batch_size", batch_size, minimum=1)
+        df = check_positive_float("df", df)
+        num_nodes = check_int("num_nodes", num_nodes, minimum=1, allow_none=True)
         info, layout = self.info, self.layout
         key = random.key(0) if rng_key is None else rng_key
         args, kwargs = self.args, self.kwargs
