@@ -635,9 +635,9 @@ class SAEM:
             centring=np.asarray(aux[1]) if st.use_fisher else None,
             mstep=st.mstep.kind, args=args, kwargs=kwargs,
             num_exploration=self.schedule.num_exploration, settings=self._describe(st),
-            programs=st.programs.setdefault("result", {}),
+            programs=st.programs.setdefault("result", {}), theta0=np.asarray(theta0),
         )
-        res.check_convergence(warn=True)
+        res.convergence_messages = res.check_convergence(warn=True)
         return res
 
     fit = run
