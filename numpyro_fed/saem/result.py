@@ -573,7 +573,7 @@ class SAEMResult:
             if b is not None:
                 msgs.append(
                     f"SAEM: '{b['name']}' fell to {b['value']:.3g} at iteration "
-                    f"{b['iteration']} (from {b['reference']:.3g}): it is heading to "
+                    f"{b['iteration']} (down from {b['reference']:.3g} earlier): it is heading to "
                     f"{b['bound']:g}, the boundary of its support, and "
                     + boundary_advice(b) + "; the other estimates of such a fit (and "
                     "the -2LL) may have been thrown off by it."
