@@ -55,7 +55,7 @@ from numpyro_fed.saem.mstep import (
     UserMStep,
     detect_gaussian,
 )
-from numpyro_fed.saem.result import SAEMResult, boundary_advice, boundary_collapse
+from numpyro_fed.saem.result import SAEMResult, boundary_advice, boundary_collapse, run_off
 from numpyro_fed.saem.schedule import MAX_ITERATIONS, Schedule
 
 __all__ = ["SAEM", "SAEMState", "fit_saem"]
@@ -666,9 +666,21 @@ class SAEM:
         to 0, see :func:`~numpyro_fed.saem.result.boundary_collapse`), that is the cause
         named, with its last finite value and the iteration."""
         info = st.info
+        ran = ""
         if bad >= 0 and traj is not None and len(traj):
             tc = np.asarray(jax.vmap(info.theta_c_flat)(jnp.asarray(traj)))
-            b = boundary_collapse(info, tc, np.asarray(info.theta_c_flat(jnp.asarray(theta0))))
+            tc0 = np.asarray(info.theta_c_flat(jnp.asarray(theta0)))
+            off = run_off(info, tc, tc0)
+            if off:
+                ran = (" Before that, " + ", ".join(
+                    f"'{o['name']}' ran from {o['start']:.4g} (theta_0) to {o['value']:.4g}"
+                    for o in off) + f" in {len(tc)} iteration{'s' if len(tc) > 1 else ''}: "
+                    "the data do not determine "
+                    + ("it" if len(off) == 1 else "them") + " (a degenerate data set -- every "
+                    "observation equal or 0 -- or more random effects than the data show); "
+                    "check the data and simplify the model, or fix "
+                    + ("it" if len(off) == 1 else "them") + ".")
+            b = boundary_collapse(info, tc, tc0)
             if b is not None:
                 what = "M-step" if bool(state.bad_mstep) else "E-step"
                 return DivergenceError(
@@ -710,7 +722,7 @@ class SAEM:
                 "`constraint=constraints.positive` for a scale or a variance) or give "
                 "`init_params` closer to the data"
                 + ("." if st.builtin and self.step_size is None else
-                   f"; if theta ran off because the E-step diverged first, {fix}.")
+                   f"; if theta ran off because the E-step diverged first, {fix}.") + ran
             )
         if bool(state.bad_mstep):  # the model is finite there: the M-step itself
             what = ("your SufficientStatistics maximizer"
@@ -721,11 +733,11 @@ class SAEM:
                 f"theta={theta} and finite latents (E-step: {summary}): {what} is not "
                 "defined at these statistics. Check it (a variance from a negative difference, "
                 "a division by a zero count), declare each param's constraint, or give "
-                "`init_params` closer to the data."
+                "`init_params` closer to the data." + ran
             )
         return DivergenceError(
             f"SAEM: the E-step became non-finite at iteration {bad} with theta={theta} "
-            f"(E-step: {summary}); {fix}."
+            f"(E-step: {summary}); {fix}." + ran
         )
 
     def _describe(self, st: _Structure) -> dict:
