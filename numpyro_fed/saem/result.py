@@ -501,8 +501,10 @@ class SAEMResult:
           larger than :data:`DRIFT_SE` times the coordinate's standard error (the Louis
           information; 1% of its value when there is none): an estimate still moving by a
           tenth of its own uncertainty at the end has not reached the maximum;
-        - **drift at the end of the exploration phase** (its last 40%, the same statistic
-          with a 1% threshold) -> more ``num_exploration``;
+        - **drift at the end of the exploration phase**: the change of the mean between the
+          two halves of its last 40%, significant (3 Monte Carlo standard errors, batch
+          means) and larger than :data:`DRIFT_SE` standard errors (1% of the value without
+          them) -> more ``num_exploration``;
         - **an E-step that collapsed**: an acceptance rate below :data:`MIN_ACCEPT` over the
           final phase (not for ULA, which takes every move), or latent draws at the final
           :math:`\\theta` that change between consecutive draws less than
@@ -535,12 +537,25 @@ class SAEMResult:
                 "variances annealed during it; give num_exploration >= 100 (the default "
                 "is 300)."
             )
+        se_cache: list = []
+
+        def unit(values):
+            """DRIFT_SE standard errors per coordinate (computed once, only when a drift is
+            significant), else 1% of the value where there are none."""
+            if not se_cache:
+                se = self._se_array() if hasattr(self, "_se_array") else None
+                se_cache.append(np.full(len(cols), np.nan) if se is None else se)
+            se = se_cache[0]
+            ok = np.isfinite(se) & (se > 0)
+            return np.where(ok, DRIFT_SE * se, 0.01 * np.abs(values)), np.where(ok, se, np.nan)
+
         # -- drift at the end of the exploration phase
         if K1 >= 50:
             seg = X[int(0.6 * K1):K1]
             diff, se_mc = _half_drift(seg)
-            scale = np.abs(seg[len(seg) // 2:].mean(0))
-            drift = (np.abs(diff) > 3 * se_mc + 1e-12) & (np.abs(diff) > 0.01 * scale + 1e-12)
+            drift = (np.abs(diff) > 3 * se_mc + 1e-12) & (diff != 0)
+            if np.any(drift):
+                drift &= np.abs(diff) > unit(seg[len(seg) // 2:].mean(0))[0] + 1e-12
             if np.any(drift):
                 names = [c for c, d in zip(cols, drift, strict=True) if d]
                 msgs.append(
@@ -555,12 +570,8 @@ class SAEMResult:
             diff, se_mc = _trend(fin[L // 2:])
             cand = (np.abs(diff) > 3 * se_mc + 1e-12) & (diff != 0)
             if np.any(cand):
-                se = self._se_array() if hasattr(self, "_se_array") else None
-                if se is None:
-                    se = np.full(len(cols), np.nan)
-                rel = 0.01 * np.abs(fin[-(L // 4):].mean(0))
-                unit = np.where(np.isfinite(se) & (se > 0), DRIFT_SE * se, rel)
-                drift = cand & (np.abs(diff) > unit + 1e-12)
+                u, se = unit(fin[-(L // 4):].mean(0))
+                drift = cand & (np.abs(diff) > u + 1e-12)
                 if np.any(drift):
                     desc = ", ".join(
                         f"{c} by {d:+.3g}" + (f" ({abs(d) / s:.2f} SE)" if np.isfinite(s)
