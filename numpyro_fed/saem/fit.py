@@ -718,11 +718,13 @@ class SAEM:
                 f"(E-step: {summary}): at this theta the log-density of "
                 f"site{'s' if len(sites) > 1 else ''} {names} is not "
                 "finite for the current latents, so the M-step moved a param where the model "
-                "is not defined. Declare each param's constraint (e.g. "
-                "`constraint=constraints.positive` for a scale or a variance) or give "
-                "`init_params` closer to the data"
-                + ("." if st.builtin and self.step_size is None else
-                   f"; if theta ran off because the E-step diverged first, {fix}.") + ran
+                "is not defined."
+                + (ran if ran else
+                   " Declare each param's constraint (e.g. "
+                   "`constraint=constraints.positive` for a scale or a variance) or give "
+                   "`init_params` closer to the data"
+                   + ("." if st.builtin and self.step_size is None else
+                      f"; if theta ran off because the E-step diverged first, {fix}."))
             )
         if bool(state.bad_mstep):  # the model is finite there: the M-step itself
             what = ("your SufficientStatistics maximizer"
