@@ -256,3 +256,23 @@ def test_federated_saem_on_a_degenerate_variance_is_not_silent():
     with pytest.warns(ConvergenceWarning, match="'tau' fell to"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The Louis information")
         res.standard_errors()
+
+
+@pytest.mark.slow  # a PKModel fit (~30-100 s on 2 cores)
+def test_parameters_running_off_on_degenerate_pk_data_are_named():
+    """Theophylline with every DV = 0 and the PKModel defaults: a volume V -> infinity fits
+    the zeros best, so mu_V = log V runs off (3 -> ~57 in 6 iterations) until the model is not
+    finite. The error names the parameters that ran off and the data, instead of only
+    "declare each param's constraint" (they are declared)."""
+    from numpyro_fed import nlme
+
+    frame = nlme.load_theophylline().to_dataframe()
+    frame.loc[frame.EVID == 0, "DV"] = 0.0
+    data = nlme.PKDataset.from_dataframe(frame, covariates=["WT"])
+    pk = nlme.PKModel(nlme.one_compartment(absorption="first_order"),
+                      params={"KA": 1.0, "V": 20.0, "CL": 0.5})
+    with pytest.raises(DivergenceError, match=(
+            r"Before that, 'mu_V' ran from 2\.996 \(theta_0\) to \d+\.?\d*.* in \d+ "
+            r"iterations?: the data do not determine (it|them) \(a degenerate data set")) as err:
+        pk.fit(data, random.key(0))
+    assert "Declare each param's constraint" not in str(err.value)
