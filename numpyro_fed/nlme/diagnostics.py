@@ -112,6 +112,11 @@ class NLMEFit:
             f = TRANSFORMS[pk.params[n].transform][0]
             df.loc[f"typical_{n}"] = {"estimate": float(f(est[f"mu_{n}"])), "se": np.nan,
                                       "rse_%": np.nan, "cv_%": np.nan}
+        # the fit's convergence verdict travels with its table (the standard errors of a fit
+        # that has not converged also warn ConvergenceWarning)
+        msgs = list(getattr(res, "convergence_messages", []))
+        df.attrs["converged"] = not msgs
+        df.attrs["convergence_messages"] = msgs
         return df
 
     # ------------------------------------------------------------------ individual
