@@ -17,7 +17,7 @@ NONLINEAR = [n for n in CASES if not sc.get_case(n).linear]
 #: CI on these cases -- a PK model with 3 REs, a binomial GLMM, a closed-form LMM -- and on
 #: the others with the slow tests (``make test-slow``): the references are stored in
 #: tests/data/saem_references.json and only change when a case does
-CI_REFERENCE_CASES = {"theoph_long", "cbpp", "sleepstudy", "penicillin", "pastes"}
+CI_REFERENCE_CASES = {"theoph_long", "cbpp", "sleepstudy", "penicillin", "pastes", "oats"}
 #: boundary fits: their maximum is checked by the KKT conditions instead
 BOUNDARY = [n for n in CASES if sc.get_case(n).boundary]
 INTERIOR = [n for n in CASES if not sc.get_case(n).boundary]
