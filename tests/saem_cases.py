@@ -77,6 +77,7 @@ __all__ = [
     "FIXED_TOL_SE",
     "M2LL_TOL",
     "NEW_CASE_NAMES",
+    "PRE28_CASE_NAMES",
     "REFERENCE_FILE",
     "VAR_TOL_REL",
     "VAR_TOL_SE",
@@ -1320,6 +1321,8 @@ _BUILDERS = {
     "dyestuff_int": _case_dyestuff_int,
 }
 CASE_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+#: the cases before issue 28 (what examples/saem_unseen.py ran by default then)
+PRE28_CASE_NAMES: tuple[str, ...] = CASE_NAMES[:12]
 #: the cases added for issue 28 (crossed, nested, boundary, data-dependent shapes)
 NEW_CASE_NAMES: tuple[str, ...] = ("penicillin", "pastes", "oats", "cbpp_olre", "dyestuff2",
                                    "sleepstudy_unique", "orthodont_bincount", "cbpp_long",

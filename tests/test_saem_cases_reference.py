@@ -242,6 +242,20 @@ def test_new_cases_cover_issue_28():
     assert len(dd) >= 3 and any(not c.linear for c in dd)
     for c in dd:
         assert c.twin in sc.CASE_NAMES and not sc.get_case(c.twin).data_dependent_shapes
+    assert set(sc.PRE28_CASE_NAMES) | set(sc.NEW_CASE_NAMES) == set(sc.CASE_NAMES)
+    assert not set(sc.PRE28_CASE_NAMES) & set(sc.NEW_CASE_NAMES)
+
+
+def test_every_reference_is_stored():
+    """Every case has its entry in tests/data/saem_references.json with the fingerprint of its
+    current data and inits (otherwise :func:`saem_cases.reference` recomputes it: 100 s for
+    cbpp_olre)."""
+    import json
+
+    stored = json.loads(sc.REFERENCE_FILE.read_text())
+    for name in CASES:
+        assert name in stored, name
+        assert stored[name]["fingerprint"] == sc._fingerprint(sc.get_case(name)), name
 
 
 def _dense_design(name):
