@@ -66,6 +66,7 @@ from numpyro import handlers
 from numpyro.infer.initialization import init_to_uniform
 from numpyro.infer.util import _unconstrain_reparam, constrain_fn, initialize_model, transform_fn
 
+from numpyro_fed import _programs
 from numpyro_fed.partition import ClientPartition
 
 Array = jax.Array
@@ -783,7 +784,8 @@ class FederatedPotential:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                out = jax.jit(table, compiler_options=_ONCE_COMPILER_OPTIONS)(zs, sets)
+                out = _programs.Program(table, compiler_options=_ONCE_COMPILER_OPTIONS,
+                                        tag="potential analysis")(zs, sets)
         except _CONCRETE_ERRORS as err:
             first = {k: v[0] for k, v in sets[0].items()}
             raise _control_flow_error(model, first, shared, err) from None
@@ -895,7 +897,10 @@ class _Initializer:
                           for v in leaves]
         self._leaves = leaves
         self._arrays = [v for v, a in zip(leaves, self._is_array, strict=True) if a]
-        self._program = jax.jit(self._run, compiler_options=_ONCE_COMPILER_OPTIONS)
+        # traced on every call, compiled once per program content (numpyro_fed._programs):
+        # a model that reads a global, a closure or a mutable object is traced as it is now
+        self._program = _programs.Program(self._run, compiler_options=_ONCE_COMPILER_OPTIONS,
+                                          tag="init_params")
 
     def _run(self, key, fold, arrays):
         # fold=(use, value): a traced choice, so that every call is one program
@@ -920,10 +925,10 @@ class _Initializer:
             try:
                 fold = (np.bool_(fold_in is not None), np.uint32(fold_in or 0))
                 z, valid = self._program(rng_key, fold, self._arrays)
-                if self.compiled is None:
-                    self.compiled = not any(
-                        isinstance(leaf, jax.core.Tracer)
-                        for leaf in jax.tree.leaves(_inverse_transforms(self.info)))
+                # checked on every call: the trace is new
+                self.compiled = not any(
+                    isinstance(leaf, jax.core.Tracer)
+                    for leaf in jax.tree.leaves(_inverse_transforms(self.info)))
             except Exception:  # noqa: BLE001 -- the eager call below: NumPyro's result/error
                 self.compiled = False
         if not self.compiled or not bool(valid):

@@ -56,6 +56,7 @@ import numpy as np
 from jax import lax, random
 from numpyro.infer.initialization import init_to_uniform
 
+from numpyro_fed import _programs
 from numpyro_fed._validation import check_float, check_int
 from numpyro_fed.algorithms import estimators
 from numpyro_fed.algorithms import qlsd as core
@@ -160,7 +161,7 @@ def centring_at(pot, theta: jax.Array, *, data: ClientPartition | None = None,
         grads = pot.full_grads(t, data) if grads is None else grads
         return (grads, *search_alg.centring(grads, pot.server_grad(t)))
 
-    grads, g_star, gnorm, scale = jax.jit(run)(theta, data, grads)
+    grads, g_star, gnorm, scale = _programs.Program(run)(theta, data, grads)
     return grads, g_star, float(gnorm), float(scale)
 
 
@@ -203,8 +204,8 @@ def find_theta_star(
         from jax.scipy.optimize import minimize
 
         fun = lambda x: potential.potential(x, data)  # noqa: E731
-        g0 = jnp.linalg.norm(jax.jit(grad_u)(x0))
-        res = jax.jit(
+        g0 = jnp.linalg.norm(_programs.Program(grad_u)(x0))
+        res = _programs.Program(
             lambda x: minimize(fun, x, method="BFGS",
                                options={"maxiter": maxiter, "gtol": gtol * max(1.0, float(g0))})
         )(x0)
@@ -224,15 +225,15 @@ def find_theta_star(
                                  search_alg.init(x, g))
             return out.k, out.x
 
-        k, theta = jax.jit(search)(x0)
+        k, theta = _programs.Program(search)(x0)
         rounds = int(k) + 1  # + the gradient at x0
         up_per_round = b * 32 * d
     else:
         raise ValueError(
             f"Unknown theta* search `method`={method!r}; use 'bb', 'adam' or 'bfgs'."
         )
-    g_final = float(jnp.linalg.norm(jax.jit(grad_u)(theta)))
-    g_start = float(jnp.linalg.norm(jax.jit(grad_u)(x0)))
+    g_final = float(jnp.linalg.norm(_programs.Program(grad_u)(theta)))
+    g_start = float(jnp.linalg.norm(_programs.Program(grad_u)(x0)))
     info = ThetaStarSearch(
         method=method,
         rounds=rounds,
