@@ -9,34 +9,42 @@ CPU for a loop that then samples in 0.1-0.5 s.
 
 :class:`CachedMCMC` runs the same computation -- the kernel's ``init`` and ``sample``, the
 same collection of the same fields with the same postprocessing, the same warmup, thinning
-and chain handling -- through one jitted loop per kernel object and configuration, kept in a
-process-wide cache: a second ``run`` of the same kernel on the same shapes (a new
-``CachedMCMC`` or the same one, any ``rng_key``) compiles nothing. The loop's bounds are
-arguments of the program, so ``progress_bar=True`` (NumPyro's default, which otherwise steps
-a separately compiled body once per iteration from Python) runs the same program in about
-20 chunks and updates the bar between them, at the speed of ``progress_bar=False``.
+and chain handling -- through one jitted loop, kept in a process-wide cache of compiled
+programs: a second ``run`` that would build the same program (a new ``CachedMCMC`` or the
+same one, any ``rng_key``) compiles nothing. The loop's bounds are arguments of the program,
+so ``progress_bar=True`` (NumPyro's default, which otherwise steps a separately compiled body
+once per iteration from Python) runs the same program in about 20 chunks and updates the bar
+between them, at the speed of ``progress_bar=False``.
 
-It also compiles the loop with XLA options that compile 1.75-2.1x faster on CPU and run as
-fast (:data:`LOOP_COMPILER_OPTIONS`, ``compiler_options=`` to change them).
+**No stale program.** Every ``run`` builds the loop afresh and traces it (the kernel's
+``sample``, the model, the postprocessing, as they are now), lowers it, and looks the
+compiled executable up by a fingerprint of the lowered module (with the contents of its
+constants, the compiler options, the backend and the JAX configuration:
+:mod:`numpyro_fed._programs`). Whatever the program reads -- a module global or a closure
+cell of the model, arrays in a dict or a tuple, a numpy array changed in place, a mutable
+config object, any attribute of the kernel (its compressor, participation, step size),
+``jax_enable_x64`` -- a change that changes the program is a new compilation, and a run
+gives what ``MCMC`` gives. Nothing is keyed on object identity and nothing needs to be
+cleared (:func:`clear_cache` only frees memory). A program with a host callback is compiled
+on every run. Tracing and lowering cost 0.05-0.3 s per run on the toys of
+``benchmarks/bench_ttfd.py``, against 0.4-1.2 s of compilation saved.
 
-Cache key (a new loop is compiled when any of these changes): the kernel *object*,
-``num_warmup``, the collected fields, the postprocessing, the vectorized chain count, the
-compiler options, and -- unless
-``jit_model_args=True`` -- the model arguments by identity (NumPyro bakes them into the
-program as constants); the shapes and dtypes of the state and of the collection are JAX's own
-cache key of the jitted loop. The cache holds at most :data:`MAX_LOOPS` loops (least recently
-used first out) and keeps their kernels and model arguments alive; :func:`clear_cache`
-empties it. A kernel must not be changed between runs in ways its state does not show (our
-kernels are not; call :func:`clear_cache` after changing a kernel's attributes).
+**Compiler options.** By default the loop is compiled with XLA's default options, the
+program ``MCMC`` compiles: its draws are ``MCMC``'s bit for bit and it runs as fast.
+``compiler_options="auto"`` selects :data:`LOOP_COMPILER_OPTIONS` on CPU, which compile
+1.75-2.1x faster but run some loops slower (measured: QLSD++ with ``batch_size=1`` 1.2x
+slower per step on the 20 x 500 x 20 toy, 1.46x on 50 x 1000 x 50; the other kernels within
+the noise).
 
-The loops of other processes are not kept: for a *new process* to skip compilation, turn on
+The cache holds at most :data:`MAX_LOOPS` programs (least recently used first out). The
+loops of other processes are not kept: for a *new process* to skip compilation, turn on
 JAX's persistent compilation cache with :func:`numpyro_fed.enable_compilation_cache` (it also
 serves NumPyro's own ``MCMC``).
 
 Falls back to NumPyro's own loop (same results, compiled every run) under a JAX transform
 (``chain_method="parallel"`` or a callable ``chain_method``), for ensemble kernels, with
-NumPyro's control flow disabled, with unhashable model arguments, and when a collected field
-has an extended dtype (typed PRNG keys).
+NumPyro's control flow disabled, and when a collected field has an extended dtype (typed PRNG
+keys).
 """
 
 from __future__ import annotations
@@ -61,12 +69,13 @@ __all__ = ["CachedMCMC", "LOOP_COMPILER_OPTIONS", "MAX_LOOPS", "clear_cache", "c
 MAX_LOOPS = _programs.MAX_PROGRAMS
 _TAG = "CachedMCMC loop"
 
-#: XLA options of the sampling loop on CPU (``compiler_options="auto"``): XLA:CPU's classic
-#: emitters instead of its MLIR fusion emitters, and LLVM ``-O1`` instead of ``-O2`` (the
-#: options of the SAEM loops, :mod:`numpyro_fed.saem.model`). Measured on the seven kernels'
-#: loops at the papers' toy sizes (``bench_ttfd.py --diagnose``, part B, 2-core CPU): compiled
-#: 1.75-2.1x faster (QLSD++ 1.93 -> 0.90 s, LMC 0.64 -> 0.37 s), 1000 steps run within 3% of
-#: the default options' time.
+#: XLA options of the sampling loop with ``compiler_options="auto"`` on CPU (opt-in, not the
+#: default): XLA:CPU's classic emitters instead of its MLIR fusion emitters, and LLVM ``-O1``
+#: instead of ``-O2`` (the options of the SAEM loops, :mod:`numpyro_fed.saem.model`).
+#: Measured on the seven kernels' loops at the papers' toy sizes (``bench_ttfd.py
+#: --diagnose``, part B, 2-core CPU): compiled 1.75-2.1x faster (QLSD++ 1.93 -> 0.90 s, LMC
+#: 0.64 -> 0.37 s). Not as fast to run everywhere: QLSD++ with ``batch_size=1`` runs 1.2x
+#: (toy) to 1.46x (50 clients x 1000 rows x d = 50) slower per step than with XLA's defaults.
 LOOP_COMPILER_OPTIONS: dict[str, Any] = {"xla_cpu_use_fusion_emitters": False,
                                          "xla_backend_optimization_level": 1}
 
@@ -146,8 +155,8 @@ def _build_loop(sampler, user_postprocess: Callable | None, vector_chains: int |
 
 
 class CachedMCMC(MCMC):
-    """:class:`numpyro.infer.MCMC` that compiles its sampling loop once per kernel object,
-    configuration and shapes (see the module docstring): same constructor, same ``run``,
+    """:class:`numpyro.infer.MCMC` that compiles its sampling loop once per program content
+    (see the module docstring): same constructor, same ``run``,
     ``warmup``, ``get_samples``, ``last_state``, ``print_summary``, same draws as ``MCMC``
     for the same key.
 
@@ -158,16 +167,19 @@ class CachedMCMC(MCMC):
         kernel = QLSD(model, clients, variant="++", step_size=1e-4, batch_size=32, bits=4)
         mcmc = CachedMCMC(kernel, num_warmup=1000, num_samples=5000)
         mcmc.run(random.key(0))   # compiles the loop
-        mcmc.run(random.key(1))   # same kernel, same shapes: no compilation
+        mcmc.run(random.key(1))   # same program: traced, not compiled
         CachedMCMC(kernel, num_warmup=1000, num_samples=5000).run(random.key(2))  # neither
+        kernel.compressor = compressors.quantize(bits=1)
+        mcmc.run(random.key(3))   # another program: compiled (never the old one)
 
     For a new process to skip compilation as well, call
     :func:`numpyro_fed.enable_compilation_cache` at the start of the script.
 
     :param sampler: any NumPyro ``MCMCKernel`` (ours, NUTS, ...).
-    :param compiler_options: XLA options of the compiled sampling loop: ``"auto"`` (default)
-        is :data:`LOOP_COMPILER_OPTIONS` when JAX's default backend is the CPU and none
-        otherwise; ``None`` or ``{}`` keeps XLA's defaults (the program ``MCMC`` compiles).
+    :param compiler_options: XLA options of the compiled sampling loop: ``None`` (default)
+        or ``{}`` keeps XLA's defaults (the program ``MCMC`` compiles, as fast to run);
+        ``"auto"`` is :data:`LOOP_COMPILER_OPTIONS` when JAX's default backend is the CPU
+        (faster to compile, slower to run for some kernels) and none otherwise.
         The draws do not depend on them beyond floating-point rounding: with ``None`` they
         are ``MCMC``'s bit for bit; with other options than those ``MCMC`` compiles with
         (its default, or ``XLA_FLAGS``) the last bits of a float32 chain can differ (seen in
@@ -179,7 +191,7 @@ class CachedMCMC(MCMC):
     """
 
     def __init__(self, sampler, *args: Any,
-                 compiler_options: Mapping[str, Any] | str | None = "auto",
+                 compiler_options: Mapping[str, Any] | str | None = None,
                  **kwargs: Any) -> None:
         super().__init__(sampler, *args, **kwargs)
         if isinstance(compiler_options, str):
