@@ -14,6 +14,7 @@ pass by accident.
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import jax
 import jax.numpy as jnp
@@ -195,13 +196,19 @@ def test_closure_cell(name):
 
 @pytest.mark.parametrize("name", ["nuts", "qlsd#"])
 def test_jnp_array_in_a_dict_argument(name):
-    """The same dict object, a new jnp array in it (a hyperparameter at run time)."""
+    """The same dict object, a new jnp array in it (a hyperparameter at run time). The old
+    array is freed first, so that the new one may take its address (its ``id``)."""
     kernel = _kernel(name)
     X, y = _data()
     hp = {"loc": jnp.asarray(0.0)}
     args = (lambda: (X, y)) if _pooled(name) else (lambda: ())
-    _check(kernel, lambda: hp.__setitem__("loc", jnp.asarray(50.0)), args,
-           lambda: {"hp": hp})
+
+    def change():
+        del hp["loc"]
+        gc.collect()
+        hp["loc"] = jnp.asarray(50.0)
+
+    _check(kernel, change, args, lambda: {"hp": hp})
 
 
 def test_arrays_in_a_tuple_argument():
