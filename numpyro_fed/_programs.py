@@ -43,7 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["Program", "compile_program", "clear", "size", "stats"]
+__all__ = ["Program", "compile_program", "program_key", "clear", "size", "stats"]
 
 #: most compiled programs kept (least recently used first out)
 MAX_PROGRAMS = 128
@@ -159,13 +159,61 @@ def _traced(args: Sequence, kwargs: dict) -> bool:
     return any(isinstance(v, jax.core.Tracer) for v in leaves)
 
 
+def _flat_program(fn: Callable, args: Sequence, kwargs: dict,
+                  donate_argnums: int | Sequence[int]):
+    """``(program, leaves, treedef, donated leaf indices)``: ``fn`` as a function of the
+    flat leaves of ``(args, kwargs)``. The executable then takes plain arrays, whatever
+    pytrees the arguments are (a pytree whose flattening keeps non-array leaves in its
+    metadata, as :class:`~numpyro_fed.partition.ClientPartition` does, would not match its
+    own ``Compiled`` signature), and the structure is a key of the cache."""
+    leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs)))
+    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    donated, start = [], 0
+    for i, a in enumerate(args):
+        n = len(jax.tree.leaves(a))
+        if i in donate:
+            donated.extend(range(start, start + n))
+        start += n
+
+    def program(*flat):
+        a, k = jax.tree.unflatten(treedef, flat)
+        return fn(*a, **k)
+
+    name = getattr(fn, "__name__", None)
+    if isinstance(name, str):
+        program.__name__ = program.__qualname__ = name
+    return program, leaves, treedef, tuple(donated)
+
+
+class _Runner:
+    """Runs a compiled flat program on arguments of the structure it was traced with."""
+
+    __slots__ = ("compiled", "treedef")
+
+    def __init__(self, compiled, treedef) -> None:
+        self.compiled, self.treedef = compiled, treedef
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs)))
+        if treedef != self.treedef:
+            raise TypeError("A compiled program was called with arguments of another "
+                            f"structure: compiled for {self.treedef}, given {treedef}.")
+        return self.compiled(*leaves)
+
+
+def _lower(fn, args, kwargs, opts, donate_argnums, keep_unused):
+    program, leaves, treedef, donated = _flat_program(fn, args, kwargs, donate_argnums)
+    jitted = jax.jit(program, donate_argnums=donated, keep_unused=keep_unused,
+                     compiler_options=opts or None)
+    return jitted.trace(*leaves).lower(), treedef
+
+
 def compile_program(fn: Callable, args: Sequence = (), kwargs: dict | None = None, *,
                     compiler_options: dict | None = None,
                     donate_argnums: int | Sequence[int] = (),
                     keep_unused: bool = False, tag: str = "") -> Callable:
     """``fn`` traced afresh on ``args``, compiled or taken from the cache: a callable that
-    runs the compiled program on arguments of the same structure and types as ``args``
-    (a :class:`jax.stages.Compiled`).
+    runs the compiled program on arguments of the same structure and types as ``args``.
 
     ``tag`` labels the entry for :func:`size`; it is not part of the key.
 
@@ -174,29 +222,43 @@ def compile_program(fn: Callable, args: Sequence = (), kwargs: dict | None = Non
     """
     kwargs = kwargs or {}
     opts = dict(compiler_options or {})
-    jitted = jax.jit(_fresh(fn), donate_argnums=donate_argnums, keep_unused=keep_unused,
-                     compiler_options=opts or None)
     if _traced(args, kwargs):
-        return jitted
-    lowered = jitted.trace(*args, **kwargs).lower()
+        return jax.jit(_fresh(fn), donate_argnums=donate_argnums, keep_unused=keep_unused,
+                       compiler_options=opts or None)
+    lowered, treedef = _lower(fn, args, kwargs, opts, donate_argnums, keep_unused)
     key = _key(lowered, tuple(sorted(opts.items())))
     if key is None:
         with _LOCK:
             _STATS["uncached"] += 1
-        return lowered.compile()
+        return _Runner(lowered.compile(), treedef)
+    key = (key, treedef)
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is not None:
             _CACHE.move_to_end(key)
             _STATS["hits"] += 1
-            return hit[0]
+            return _Runner(hit[0], treedef)
     compiled = lowered.compile()
     with _LOCK:
         _STATS["misses"] += 1
         _CACHE[key] = (compiled, tag)
         while len(_CACHE) > MAX_PROGRAMS:
             _CACHE.popitem(last=False)
-    return compiled
+    return _Runner(compiled, treedef)
+
+
+def program_key(fn: Callable, args: Sequence = (), kwargs: dict | None = None, *,
+                compiler_options: dict | None = None) -> tuple | None:
+    """The cache key of ``fn`` traced afresh on ``args`` (nothing is compiled): equal keys
+    mean the same compiled program. ``None`` for a program that cannot be keyed (host
+    callbacks, or tracer arguments)."""
+    kwargs = kwargs or {}
+    if _traced(args, kwargs):
+        return None
+    opts = dict(compiler_options or {})
+    lowered, treedef = _lower(fn, args, kwargs, opts, (), False)
+    key = _key(lowered, tuple(sorted(opts.items())))
+    return None if key is None else (key, treedef)
 
 
 class Program:
