@@ -422,32 +422,7 @@ def test_saem_reads_a_changed_global():
         runner.clear_cache()
         fresh = fit()
     finally:
-        def test_qlsd_star_centring_follows_the_model(restore_loc):
-    """QLSD*'s theta* and g* (found at the first ``init``, kept by the kernel) are found
-    again when the model they come from changed: the run equals a new kernel's."""
-    global LOC
-
-    def make():
-        return QLSD(global_model, _partition(), variant="*", step_size=0.02, batch_size=4,
-                    bits=2)
-
-    kernel = make()
-    _run(_cached, kernel)
-    t0 = np.asarray(kernel.theta_star)
-    _run(_cached, kernel)  # nothing changed: the same theta*
-    np.testing.assert_array_equal(np.asarray(kernel.theta_star), t0)
-    LOC = 50.0
-    after = _run(_cached, kernel)
-    runner.clear_cache()
-    fresh_kernel = make()
-    fresh = _run(MCMC, fresh_kernel)
-    _assert_same(after, fresh)
-    np.testing.assert_array_equal(np.asarray(kernel.theta_star),
-                                  np.asarray(fresh_kernel.theta_star))
-    assert np.all(np.asarray(kernel.theta_star) > t0 + 1.0)
-
-
-SAEM_LOC_SCALE = 1.0
+        SAEM_LOC_SCALE = 1.0
     np.testing.assert_array_equal(second.theta, fresh.theta)
     np.testing.assert_array_equal(second.trajectory.to_numpy(), fresh.trajectory.to_numpy())
     np.testing.assert_array_equal(second.z_draws, fresh.z_draws)
