@@ -342,6 +342,7 @@ class FederatedPotential:
         # --- structure of the model: latent sites, transforms, deterministic sites -------
         pooled = {**partition.pooled(), **self.shared}
         self._pooled_kwargs = pooled
+        self._first_row = {k: np.asarray(v[0, 0]) for k, v in partition.data.items()}
         # compiled initialisers per init strategy (:meth:`init_params`); the analysis below
         # uses the default one, which the kernels' ``init`` then reuses
         init_first = _Initializer(model, pooled, init_to_uniform)
@@ -423,7 +424,10 @@ class FederatedPotential:
 
     def log_prior(self, theta: Array) -> Array:
         """:math:`\\log p(\\theta) + \\log|J(\\theta)|` at flat unconstrained ``theta``."""
-        row = jax.tree.map(lambda a: a[0, 0], self.partition.data)
+        # one data row, only to run the model (the prior does not depend on it): taken on the
+        # host, as a small constant -- indexing the partition's arrays here, inside a traced
+        # program, would put the whole partition in the program as a constant
+        row = self._first_row
         prior, _ = _log_parts(self.model, self._row_kwargs(row), self.unravel(theta), self._latent,
                               self._prior_sites)
         return prior
