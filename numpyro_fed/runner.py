@@ -26,8 +26,8 @@ config object, any attribute of the kernel (its compressor, participation, step 
 ``jax_enable_x64`` -- a change that changes the program is a new compilation, and a run
 gives what ``MCMC`` gives. Nothing is keyed on object identity and nothing needs to be
 cleared (:func:`clear_cache` only frees memory). A program with a host callback is compiled
-on every run. Tracing and lowering cost 0.05-0.3 s per run on the toys of
-``benchmarks/bench_ttfd.py``, against 0.4-1.2 s of compilation saved.
+on every run. Tracing and lowering cost 0.1-0.35 s per run on the toys of
+``benchmarks/bench_ttfd.py``, against 0.45-1.0 s of compilation saved.
 
 **Compiler options.** By default the loop is compiled with XLA's default options, the
 program ``MCMC`` compiles: its draws are ``MCMC``'s bit for bit and it runs as fast.
