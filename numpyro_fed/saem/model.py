@@ -642,8 +642,10 @@ def outside_ids_program(info: ModelInfo, layout: SubjectLayout, static, max_bloc
     theta_c = info.theta0_c
     z0 = info.z0_u_flat
 
+    # the analysis point (drawn with the run's key) is an argument, not a constant: the
+    # program is the same for every key, compiled once
     @jit_once
-    def deps(arrays, key):
+    def deps(arrays, key, theta_c, z0):
         args, kwargs = merge_data(arrays, static)
 
         def lp_out(zf):
@@ -667,7 +669,7 @@ def outside_ids_program(info: ModelInfo, layout: SubjectLayout, static, max_bloc
         return out
 
     def run(arrays, key):
-        res = deps(arrays, key)
+        res = deps(arrays, key, theta_c, z0)
         ids = {}
         for nm in outside:
             cnt, arg = (np.asarray(v) for v in res[nm])
