@@ -4,9 +4,9 @@ JAX's :func:`jax.jit` keeps the trace of a Python function by the function's ide
 function that reads a module global, a closure cell, a numpy array changed in place or a
 mutable object gives the program of its first trace forever after. Keying a cache on the
 objects a program was built from (a kernel, a model, a list of "settings") has the same
-fault one level up. Here every call **traces again** (cheap: tens of milliseconds) and
-lowers to StableHLO, and the compiled executable is looked up by a fingerprint of what XLA
-compiles:
+fault one level up. Here every call **traces again** (cheaper than compiling: measured
+below) and lowers to StableHLO, and the compiled executable is looked up by a fingerprint
+of what XLA compiles:
 
 - the lowered module (its bytecode: every operation, shape, dtype, embedded constant and
   attribute -- donation and shardings included);
@@ -122,7 +122,15 @@ def _has_callbacks(lowering) -> bool:
 
 
 def _key(lowered, options: tuple) -> tuple | None:
-    """The cache key of a lowered program, or ``None`` when it must not be cached."""
+    """The cache key of a lowered program, or ``None`` when it must not be cached (host
+    callbacks, or anything this JAX version does not let us read: never a guess)."""
+    try:
+        return _key_of(lowered, options)
+    except Exception:  # noqa: BLE001 -- unreadable: compile, do not cache
+        return None
+
+
+def _key_of(lowered, options: tuple) -> tuple | None:
     lowering = lowered._lowering
     if _has_callbacks(lowering):
         return None
