@@ -1,4 +1,4 @@
-"""A drop-in :class:`numpyro.infer.MCMC` whose sampling loop is compiled once.
+"""A drop-in :class:`numpyro.infer.MCMC` whose sampling loop is compiled once per program content.
 
 NumPyro 0.22's ``MCMC.run`` traces and compiles its sampling loop again on **every** call,
 for every kernel (NUTS included): ``numpyro.util.fori_collect`` wraps the loop body in a new
