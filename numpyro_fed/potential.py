@@ -66,6 +66,7 @@ from numpyro import handlers
 from numpyro.infer.initialization import init_to_uniform
 from numpyro.infer.util import _unconstrain_reparam, constrain_fn, initialize_model, transform_fn
 
+from numpyro_fed import _programs
 from numpyro_fed.partition import ClientPartition
 
 Array = jax.Array
@@ -413,6 +414,7 @@ class FederatedPotential:
         # plate layout, with no row axis to guess
         pooled = {**partition.pooled(order="user"), **self.shared}
         self._pooled_kwargs = pooled
+        self._first_row = {k: np.asarray(v[0, 0]) for k, v in partition.data.items()}
         # compiled initialisers per init strategy (:meth:`init_params`); the analysis below
         # uses the default one, which the kernels' ``init`` then reuses
         init_first = _Initializer(model, pooled, init_to_uniform)
@@ -494,7 +496,10 @@ class FederatedPotential:
 
     def log_prior(self, theta: Array) -> Array:
         """:math:`\\log p(\\theta) + \\log|J(\\theta)|` at flat unconstrained ``theta``."""
-        row = jax.tree.map(lambda a: a[0, 0], self.partition.data)
+        # one data row, only to run the model (the prior does not depend on it): taken on the
+        # host, as a small constant -- indexing the partition's arrays here, inside a traced
+        # program, would put the whole partition in the program as a constant
+        row = self._first_row
         prior, _ = _log_parts(self.model, self._row_kwargs(row), self.unravel(theta), self._latent,
                               self._prior_sites)
         return prior
@@ -905,7 +910,8 @@ class FederatedPotential:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                out = jax.jit(table, compiler_options=_ONCE_COMPILER_OPTIONS)(zs, sets)
+                out = _programs.Program(table, compiler_options=_ONCE_COMPILER_OPTIONS,
+                                        tag="potential analysis")(zs, sets)
         except _CONCRETE_ERRORS as err:
             first = {k: v[0] for k, v in sets[0].items()}
             raise _control_flow_error(model, first, shared, err) from None
@@ -1022,7 +1028,10 @@ class _Initializer:
                           for v in leaves]
         self._leaves = leaves
         self._arrays = [v for v, a in zip(leaves, self._is_array, strict=True) if a]
-        self._program = jax.jit(self._run, compiler_options=_ONCE_COMPILER_OPTIONS)
+        # traced on every call, compiled once per program content (numpyro_fed._programs):
+        # a model that reads a global, a closure or a mutable object is traced as it is now
+        self._program = _programs.Program(self._run, compiler_options=_ONCE_COMPILER_OPTIONS,
+                                          tag="init_params")
 
     def _run(self, key, fold, arrays):
         # fold=(use, value): a traced choice, so that every call is one program
@@ -1047,10 +1056,10 @@ class _Initializer:
             try:
                 fold = (np.bool_(fold_in is not None), np.uint32(fold_in or 0))
                 z, valid = self._program(rng_key, fold, self._arrays)
-                if self.compiled is None:
-                    self.compiled = not any(
-                        isinstance(leaf, jax.core.Tracer)
-                        for leaf in jax.tree.leaves(_inverse_transforms(self.info)))
+                # checked on every call: the trace is new
+                self.compiled = not any(
+                    isinstance(leaf, jax.core.Tracer)
+                    for leaf in jax.tree.leaves(_inverse_transforms(self.info)))
             except Exception:  # noqa: BLE001 -- the eager call below: NumPyro's result/error
                 self.compiled = False
         if not self.compiled or not bool(valid):

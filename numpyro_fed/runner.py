@@ -1,4 +1,4 @@
-"""A drop-in :class:`numpyro.infer.MCMC` whose sampling loop is compiled once.
+"""A drop-in :class:`numpyro.infer.MCMC` whose sampling loop is compiled once per program content.
 
 NumPyro 0.22's ``MCMC.run`` traces and compiles its sampling loop again on **every** call,
 for every kernel (NUTS included): ``numpyro.util.fori_collect`` wraps the loop body in a new
@@ -9,94 +9,89 @@ CPU for a loop that then samples in 0.1-0.5 s.
 
 :class:`CachedMCMC` runs the same computation -- the kernel's ``init`` and ``sample``, the
 same collection of the same fields with the same postprocessing, the same warmup, thinning
-and chain handling -- through one jitted loop per kernel object and configuration, kept in a
-process-wide cache: a second ``run`` of the same kernel on the same shapes (a new
-``CachedMCMC`` or the same one, any ``rng_key``) compiles nothing. The loop's bounds are
-arguments of the program, so ``progress_bar=True`` (NumPyro's default, which otherwise steps
-a separately compiled body once per iteration from Python) runs the same program in about
-20 chunks and updates the bar between them, at the speed of ``progress_bar=False``.
+and chain handling -- through one jitted loop, kept in a process-wide cache of compiled
+programs: a second ``run`` that would build the same program (a new ``CachedMCMC`` or the
+same one, any ``rng_key``) compiles nothing. The loop's bounds are arguments of the program,
+so ``progress_bar=True`` (NumPyro's default, which otherwise steps a separately compiled body
+once per iteration from Python) runs the same program in about 20 chunks and updates the bar
+between them, at the speed of ``progress_bar=False``.
 
-It also compiles the loop with XLA options that compile 1.75-2.1x faster on CPU and run as
-fast (:data:`LOOP_COMPILER_OPTIONS`, ``compiler_options=`` to change them).
+**No stale program.** Every ``run`` builds the loop afresh and traces it (the kernel's
+``sample``, the model, the postprocessing, as they are now), lowers it, and looks the
+compiled executable up by a fingerprint of the lowered module (with the contents of its
+constants, the compiler options, the backend and the JAX configuration:
+:mod:`numpyro_fed._programs`). Whatever the program reads -- a module global or a closure
+cell of the model, arrays in a dict or a tuple, a numpy array changed in place, a mutable
+config object, any attribute of the kernel (its compressor, participation, step size),
+``jax_enable_x64`` -- a change that changes the program is a new compilation, and a run
+gives what ``MCMC`` gives. Nothing is keyed on object identity and nothing needs to be
+cleared (:func:`clear_cache` only frees memory). A program with a host callback is compiled
+on every run. Tracing and lowering cost 0.1-0.35 s per run on the toys of
+``benchmarks/bench_ttfd.py``, against 0.45-1.0 s of compilation saved.
 
-Cache key (a new loop is compiled when any of these changes): the kernel *object*,
-``num_warmup``, the collected fields, the postprocessing, the vectorized chain count, the
-compiler options, and -- unless
-``jit_model_args=True`` -- the model arguments by identity (NumPyro bakes them into the
-program as constants); the shapes and dtypes of the state and of the collection are JAX's own
-cache key of the jitted loop. The cache holds at most :data:`MAX_LOOPS` loops (least recently
-used first out) and keeps their kernels and model arguments alive; :func:`clear_cache`
-empties it. A kernel must not be changed between runs in ways its state does not show (our
-kernels are not; call :func:`clear_cache` after changing a kernel's attributes).
+**Compiler options.** By default the loop is compiled with XLA's default options, the
+program ``MCMC`` compiles: its draws are ``MCMC``'s bit for bit and it runs as fast.
+``compiler_options="auto"`` selects :data:`LOOP_COMPILER_OPTIONS` on CPU, which compile
+1.75-2.1x faster but run some loops slower (measured: QLSD++ with ``batch_size=1`` 1.2x
+slower per step on the 20 x 500 x 20 toy, 1.46x on 50 x 1000 x 50; the other kernels within
+the noise).
 
-The loops of other processes are not kept: for a *new process* to skip compilation, turn on
+The cache holds at most :data:`MAX_LOOPS` programs (least recently used first out). The
+loops of other processes are not kept: for a *new process* to skip compilation, turn on
 JAX's persistent compilation cache with :func:`numpyro_fed.enable_compilation_cache` (it also
 serves NumPyro's own ``MCMC``).
 
 Falls back to NumPyro's own loop (same results, compiled every run) under a JAX transform
 (``chain_method="parallel"`` or a callable ``chain_method``), for ensemble kernels, with
-NumPyro's control flow disabled, with unhashable model arguments, and when a collected field
-has an extended dtype (typed PRNG keys).
+NumPyro's control flow disabled, and when a collected field has an extended dtype (typed PRNG
+keys).
 """
 
 from __future__ import annotations
 
-import hashlib
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 from jax import lax
 from numpyro import util as _numpyro_util
 from numpyro.infer import MCMC
-from numpyro.infer.mcmc import _collect_and_postprocess, _hashable
+from numpyro.infer.mcmc import _collect_and_postprocess
 from numpyro.util import is_prng_key
 
-from numpyro_fed.kernels.base import value_settings
+from numpyro_fed import _programs
 
 __all__ = ["CachedMCMC", "LOOP_COMPILER_OPTIONS", "MAX_LOOPS", "clear_cache", "cached_loops"]
 
-#: most compiled sampling loops kept by the process-wide cache
-MAX_LOOPS = 32
+#: most compiled programs kept by the process-wide cache (shared by every cache of the
+#: library, :data:`numpyro_fed._programs.MAX_PROGRAMS`)
+MAX_LOOPS = _programs.MAX_PROGRAMS
+_TAG = "CachedMCMC loop"
 
-#: XLA options of the sampling loop on CPU (``compiler_options="auto"``): XLA:CPU's classic
-#: emitters instead of its MLIR fusion emitters, and LLVM ``-O1`` instead of ``-O2`` (the
-#: options of the SAEM loops, :mod:`numpyro_fed.saem.model`). Measured on the seven kernels'
-#: loops at the papers' toy sizes (``bench_ttfd.py --diagnose``, part B, 2-core CPU): compiled
-#: 1.75-2.1x faster (QLSD++ 1.93 -> 0.90 s, LMC 0.64 -> 0.37 s), 1000 steps run within 3% of
-#: the default options' time.
+#: XLA options of the sampling loop with ``compiler_options="auto"`` on CPU (opt-in, not the
+#: default): XLA:CPU's classic emitters instead of its MLIR fusion emitters, and LLVM ``-O1``
+#: instead of ``-O2`` (the options of the SAEM loops, :mod:`numpyro_fed.saem.model`).
+#: Measured on the seven kernels' loops at the papers' toy sizes (``bench_ttfd.py
+#: --diagnose``, part B, 2-core CPU): compiled 1.75-2.1x faster (QLSD++ 1.93 -> 0.90 s, LMC
+#: 0.64 -> 0.37 s). Not as fast to run everywhere: QLSD++ with ``batch_size=1`` runs 1.2x
+#: (toy) to 1.37-1.46x (50 clients x 1000 rows x d = 50) slower per step than with XLA's
+#: defaults; the cause is LLVM ``-O1`` (measured at 50 x 1000 x 50: 250 us/step with it alone,
+#: 183 with the classic emitters alone, 189 with the defaults).
 LOOP_COMPILER_OPTIONS: dict[str, Any] = {"xla_cpu_use_fusion_emitters": False,
                                          "xla_backend_optimization_level": 1}
 
 
-class _Loop(NamedTuple):
-    """A cached sampling loop and what it was built from."""
-
-    sampler: Any
-    pins: tuple  # the objects whose id() is part of the key, kept alive with the entry
-    run: Callable  # jit(loop)(val, collection, lo, hi, start_idx, thinning)
-    transform: Callable  # collected fields of a state tuple, postprocessed
-    shapes: dict  # aval signature of the initial value -> eval_shape of one collected item
-
-
-_CACHE: OrderedDict[tuple, _Loop] = OrderedDict()
-_LOCK = threading.Lock()
-
-
 def clear_cache() -> None:
-    """Forget every compiled sampling loop of :class:`CachedMCMC` (and release the kernels
-    and model arguments they hold)."""
-    with _LOCK:
-        _CACHE.clear()
+    """Forget every compiled program of the library's cache (the sampling loops of
+    :class:`CachedMCMC` and the other programs, :mod:`numpyro_fed._programs`). Never needed
+    for correctness: a program is reused only where a fresh trace lowers to the same one."""
+    _programs.clear()
 
 
 def cached_loops() -> int:
-    """Number of sampling loops in :class:`CachedMCMC`'s cache."""
-    with _LOCK:
-        return len(_CACHE)
+    """Number of compiled sampling loops of :class:`CachedMCMC` in the cache."""
+    return _programs.size(_TAG)
 
 
 def _ensure_vmap(fn: Callable, batch_size: int) -> Callable:
@@ -113,8 +108,11 @@ def _ensure_vmap(fn: Callable, batch_size: int) -> Callable:
 
 def _build_loop(sampler, user_postprocess: Callable | None, vector_chains: int | None,
                 jit_model_args: bool, args: tuple, kwargs: dict, collect_fields: tuple,
-                remove_sites: tuple, options: dict) -> _Loop:
-    """The jitted collection loop of ``MCMC._single_chain_mcmc`` for one configuration."""
+                remove_sites: tuple) -> tuple[Callable, Callable]:
+    """``(loop, transform)``: the collection loop of ``MCMC._single_chain_mcmc`` for one
+    configuration, ``loop(val, collection, lo, hi, start_idx, thinning)``, and the collected,
+    postprocessed fields of a state value. Built afresh on every run (what it reads is read
+    now); compiled by :func:`numpyro_fed._programs.compile_program`."""
 
     def postprocess(state, model_args, model_kwargs):
         body = (sampler.postprocess_fn(model_args, model_kwargs) if user_postprocess is None
@@ -155,29 +153,12 @@ def _build_loop(sampler, user_postprocess: Callable | None, vector_chains: int |
 
         return lax.fori_loop(lo, hi, body, (val, collection))
 
-    return _Loop(sampler, (sampler, user_postprocess, args, kwargs),
-                 jax.jit(loop, donate_argnums=1, compiler_options=options or None), transform,
-                 {})
-
-
-def _arg_key(x):
-    """Cache key of one model argument: a JAX array (immutable) by identity, a numpy array
-    by identity *and content* (it is baked into the loop as a constant, and numpy arrays can be
-    changed in place between runs), anything else by value."""
-    if isinstance(x, np.ndarray):
-        digest = hashlib.blake2b(np.ascontiguousarray(x).tobytes(), digest_size=16).digest()
-        return (id(x), x.shape, x.dtype.str, digest)
-    return _hashable(x)
-
-
-def _signature(tree) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in leaves)
+    return loop, transform
 
 
 class CachedMCMC(MCMC):
-    """:class:`numpyro.infer.MCMC` that compiles its sampling loop once per kernel object,
-    configuration and shapes (see the module docstring): same constructor, same ``run``,
+    """:class:`numpyro.infer.MCMC` that compiles its sampling loop once per program content
+    (see the module docstring): same constructor, same ``run``,
     ``warmup``, ``get_samples``, ``last_state``, ``print_summary``, same draws as ``MCMC``
     for the same key.
 
@@ -188,16 +169,19 @@ class CachedMCMC(MCMC):
         kernel = QLSD(model, clients, variant="++", step_size=1e-4, batch_size=32, bits=4)
         mcmc = CachedMCMC(kernel, num_warmup=1000, num_samples=5000)
         mcmc.run(random.key(0))   # compiles the loop
-        mcmc.run(random.key(1))   # same kernel, same shapes: no compilation
+        mcmc.run(random.key(1))   # same program: traced, not compiled
         CachedMCMC(kernel, num_warmup=1000, num_samples=5000).run(random.key(2))  # neither
+        kernel.compressor = compressors.quantize(bits=1)
+        mcmc.run(random.key(3))   # another program: compiled (never the old one)
 
     For a new process to skip compilation as well, call
     :func:`numpyro_fed.enable_compilation_cache` at the start of the script.
 
     :param sampler: any NumPyro ``MCMCKernel`` (ours, NUTS, ...).
-    :param compiler_options: XLA options of the compiled sampling loop: ``"auto"`` (default)
-        is :data:`LOOP_COMPILER_OPTIONS` when JAX's default backend is the CPU and none
-        otherwise; ``None`` or ``{}`` keeps XLA's defaults (the program ``MCMC`` compiles).
+    :param compiler_options: XLA options of the compiled sampling loop: ``None`` (default)
+        or ``{}`` keeps XLA's defaults (the program ``MCMC`` compiles, as fast to run);
+        ``"auto"`` is :data:`LOOP_COMPILER_OPTIONS` when JAX's default backend is the CPU
+        (faster to compile, slower to run for some kernels) and none otherwise.
         The draws do not depend on them beyond floating-point rounding: with ``None`` they
         are ``MCMC``'s bit for bit; with other options than those ``MCMC`` compiles with
         (its default, or ``XLA_FLAGS``) the last bits of a float32 chain can differ (seen in
@@ -209,7 +193,7 @@ class CachedMCMC(MCMC):
     """
 
     def __init__(self, sampler, *args: Any,
-                 compiler_options: Mapping[str, Any] | str | None = "auto",
+                 compiler_options: Mapping[str, Any] | str | None = None,
                  **kwargs: Any) -> None:
         super().__init__(sampler, *args, **kwargs)
         if isinstance(compiler_options, str):
@@ -223,86 +207,47 @@ class CachedMCMC(MCMC):
                             f"option names to values, got {type(compiler_options).__name__}.")
         self.compiler_options: dict[str, Any] = dict(compiler_options or {})
 
-    def _cache_key(self, args, kwargs, collect_fields, remove_sites) -> tuple | None:
-        vector = self.num_chains if (self.chain_method == "vectorized"
-                                     and self.num_chains > 1) else None
-        if self._jit_model_args:
-            model = None
-        else:
-            model = (jax.tree.map(_arg_key, args),
-                     jax.tree.map(_arg_key, tuple(sorted(kwargs.items()))))
-        # num_warmup: kernels may read it at trace time (MALA's adaptation schedule, HMC's
-        # windows), where the loop's shapes do not show it
-        key = (id(self.sampler), value_settings(self.sampler), int(self.num_warmup),
-               id(self.postprocess_fn), vector,
-               self._jit_model_args, model, tuple(collect_fields), tuple(remove_sites),
-               tuple(sorted(self.compiler_options.items())))
-        try:
-            hash(key)
-        except TypeError:
-            return None
-        return key
-
-    def _loop(self, args, kwargs, collect_fields, remove_sites) -> _Loop | None:
-        key = self._cache_key(args, kwargs, collect_fields, remove_sites)
-        if key is None:
-            return None
-        with _LOCK:
-            entry = _CACHE.get(key)
-            if entry is not None and entry.sampler is self.sampler:
-                _CACHE.move_to_end(key)
-                return entry
-        vector = key[4]
-        entry = _build_loop(self.sampler, self.postprocess_fn, vector, self._jit_model_args,
-                            args, kwargs, tuple(collect_fields), tuple(remove_sites),
-                            self.compiler_options)
-        with _LOCK:
-            _CACHE[key] = entry
-            while len(_CACHE) > MAX_LOOPS:
-                _CACHE.popitem(last=False)
-        return entry
-
     def _single_chain_mcmc(self, init, args, kwargs, collect_fields, remove_sites):
         if (_numpyro_util._is_under_jax_transform() or _numpyro_util._DISABLE_CONTROL_FLOW_PRIM
                 or self.sampler.is_ensemble_kernel):
             return super()._single_chain_mcmc(init, args, kwargs, collect_fields, remove_sites)
         rng_key, init_state, init_params = init
-        # as MCMC._single_chain_mcmc: (re)initialise unless the kernel keeps a sample fn;
-        # before the cache key, which reads the kernel's settings as ``init`` leaves them
+        # as MCMC._single_chain_mcmc: (re)initialise unless the kernel keeps a sample fn
         if init_state is None or getattr(self.sampler, "_sample_fn", None) is None:
             new_state = self.sampler.init(rng_key, self.num_warmup, init_params,
                                           model_args=args, model_kwargs=kwargs)
             init_state = new_state if init_state is None else init_state
-        loop = self._loop(args, kwargs, collect_fields, remove_sites)
-        if loop is None:
-            return super()._single_chain_mcmc((rng_key, init_state, init_params), args,
-                                              kwargs, collect_fields, remove_sites)
+        vector = self.num_chains if (self.chain_method == "vectorized"
+                                     and self.num_chains > 1) else None
+        # the loop is built and traced afresh on every run: what the kernel, the model and
+        # the arguments hold *now* is what is compiled (or found compiled, by content)
+        loop, transform = _build_loop(self.sampler, self.postprocess_fn, vector,
+                                      self._jit_model_args, args, kwargs,
+                                      tuple(collect_fields), tuple(remove_sites))
         init_val = (init_state, args, kwargs) if self._jit_model_args else (init_state,)
         params = self._collection_params
         lower, upper = params["lower"], params["upper"]
         size = params["collection_size"]
         size = (upper - lower) // self.thinning if size is None else size // self.thinning
-        sig = _signature(init_val)
-        item = loop.shapes.get(sig)
-        if item is None:
-            item = jax.eval_shape(loop.transform, init_val)
-            loop.shapes[sig] = item
+        item = jax.eval_shape(transform, init_val)
         if any(jax.dtypes.issubdtype(s.dtype, jax.dtypes.extended)
                for s in jax.tree.leaves(item)):
             return super()._single_chain_mcmc((rng_key, init_state, init_params), args,
                                               kwargs, collect_fields, remove_sites)
         collection = jax.tree.map(lambda s: np.zeros((size, *s.shape), s.dtype), item)
         start_idx = lower + (upper - lower) % self.thinning
+        run = _programs.compile_program(
+            loop, (init_val, collection, 0, upper, start_idx, self.thinning),
+            donate_argnums=1, compiler_options=self.compiler_options, tag=_TAG)
         if self.progress_bar and upper > 0:
-            val, collection = self._run_chunks(loop, init_val, collection, lower, upper,
+            val, collection = self._run_chunks(run, init_val, collection, lower, upper,
                                                start_idx, rng_key)
         else:
-            val, collection = loop.run(init_val, collection, 0, upper, start_idx,
-                                       self.thinning)
+            val, collection = run(init_val, collection, 0, upper, start_idx, self.thinning)
         states = (collection,) if len(collect_fields) == 1 else collection
         return dict(zip(collect_fields, states, strict=False)), val[0]
 
-    def _run_chunks(self, loop: _Loop, val, collection, lower: int, upper: int,
+    def _run_chunks(self, run: Callable, val, collection, lower: int, upper: int,
                     start_idx: int, rng_key):
         """The compiled loop in about 20 chunks, with NumPyro's progress bar between them."""
         from tqdm.auto import tqdm
@@ -314,7 +259,7 @@ class CachedMCMC(MCMC):
                                                                  else set()))
         with tqdm(total=upper) as bar:
             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-                val, collection = loop.run(val, collection, lo, hi, start_idx, self.thinning)
+                val, collection = run(val, collection, lo, hi, start_idx, self.thinning)
                 desc = phase if phase is not None else ("warmup" if hi <= lower else "sample")
                 bar.set_description(desc, refresh=False)
                 if show_diag:

@@ -34,6 +34,7 @@ from numpyro.infer.mcmc import MCMCKernel
 from numpyro.infer.util import initialize_model
 from numpyro.util import identity
 
+from numpyro_fed import _programs
 from numpyro_fed._validation import check_bool, check_int
 from numpyro_fed.algorithms import estimators
 from numpyro_fed.algorithms import qlsd as qlsd_core
@@ -57,7 +58,6 @@ from numpyro_fed.kernels.base import (
     check_step_size,
     langevin_move,
     split_chain_keys,
-    value_settings,
 )
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential
@@ -619,8 +619,6 @@ class FederatedKernel(MCMCKernel):
         self._postprocess_det = postprocess_deterministic
         self._vectorized = False
         self._model = potential.pooled_model()
-        #: compiled programs of this kernel (its ``init``), see :meth:`init`
-        self._programs: dict = {}
 
     # -- NumPyro kernel protocol ---------------------------------------------------------
     @property
@@ -751,21 +749,16 @@ class FederatedKernel(MCMCKernel):
 
         # one compiled program (run eagerly, the algorithm's initial round -- ELF's full
         # gradients, U(x0) -- compiles each of its operations: ~130 programs, 4-5 s on a
-        # 2-core CPU for B-ELF on the 20 x 500 x 20 toy); kept per kernel (not for a view
-        # bound to run-time model arguments, whose potential is new at every call)
-        # (copies of a kernel share the dict: the entry holds the kernel and its potential)
-        key = ("init", self._vectorized, value_settings(self))
-        entry = self._programs.get(key) if kern is self else None
-        if entry is None or entry[0] is not self or entry[1] is not pot:
-            if self._vectorized:
-                axes = self._state_axes()
-                fn = jax.vmap(init_one, in_axes=(0, 0, None), out_axes=axes)
-            else:
-                fn = init_one
-            entry = (self, pot, jax.jit(fn))
-            if kern is self:
-                self._programs[key] = entry
-        return entry[2](x0, rng_key, data)
+        # 2-core CPU for B-ELF on the 20 x 500 x 20 toy), traced on every call and compiled
+        # once per program content (numpyro_fed._programs): a changed attribute, compressor
+        # or model is seen, an unchanged kernel (or an equal new one) compiles nothing
+        if self._vectorized:
+            axes = self._state_axes()
+            fn = jax.vmap(init_one, in_axes=(0, 0, None), out_axes=axes)
+        else:
+            fn = init_one
+        return _programs.compile_program(fn, (x0, rng_key, data),
+                                         tag="kernel init")(x0, rng_key, data)
 
     def sample(self, state, model_args, model_kwargs):
         kern = self._bound(model_kwargs)

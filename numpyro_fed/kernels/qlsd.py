@@ -56,6 +56,7 @@ import numpy as np
 from jax import lax, random
 from numpyro.infer.initialization import init_to_uniform
 
+from numpyro_fed import _programs
 from numpyro_fed._validation import check_float, check_int
 from numpyro_fed.algorithms import estimators
 from numpyro_fed.algorithms import qlsd as core
@@ -160,7 +161,7 @@ def centring_at(pot, theta: jax.Array, *, data: ClientPartition | None = None,
         grads = pot.full_grads(t, data) if grads is None else grads
         return (grads, *search_alg.centring(grads, pot.server_grad(t)))
 
-    grads, g_star, gnorm, scale = jax.jit(run)(theta, data, grads)
+    grads, g_star, gnorm, scale = _programs.Program(run)(theta, data, grads)
     return grads, g_star, float(gnorm), float(scale)
 
 
@@ -203,8 +204,8 @@ def find_theta_star(
         from jax.scipy.optimize import minimize
 
         fun = lambda x: potential.potential(x, data)  # noqa: E731
-        g0 = jnp.linalg.norm(jax.jit(grad_u)(x0))
-        res = jax.jit(
+        g0 = jnp.linalg.norm(_programs.Program(grad_u)(x0))
+        res = _programs.Program(
             lambda x: minimize(fun, x, method="BFGS",
                                options={"maxiter": maxiter, "gtol": gtol * max(1.0, float(g0))})
         )(x0)
@@ -224,15 +225,15 @@ def find_theta_star(
                                  search_alg.init(x, g))
             return out.k, out.x
 
-        k, theta = jax.jit(search)(x0)
+        k, theta = _programs.Program(search)(x0)
         rounds = int(k) + 1  # + the gradient at x0
         up_per_round = b * 32 * d
     else:
         raise ValueError(
             f"Unknown theta* search `method`={method!r}; use 'bb', 'adam' or 'bfgs'."
         )
-    g_final = float(jnp.linalg.norm(jax.jit(grad_u)(theta)))
-    g_start = float(jnp.linalg.norm(jax.jit(grad_u)(x0)))
+    g_final = float(jnp.linalg.norm(_programs.Program(grad_u)(theta)))
+    g_start = float(jnp.linalg.norm(_programs.Program(grad_u)(x0)))
     info = ThetaStarSearch(
         method=method,
         rounds=rounds,
@@ -369,6 +370,7 @@ class QLSD(FederatedKernel):
         self.theta_star_kwargs = dict(theta_star_kwargs or {})
         self.theta_star: jax.Array | None = None
         self.theta_star_search: ThetaStarSearch | None = None
+        self._star_fingerprint = None
         self.g_star: jax.Array | None = None
         self._grads_star: jax.Array | None = None
         self._star_bits: tuple[int, int] = (0, 0)
@@ -414,9 +416,36 @@ class QLSD(FederatedKernel):
         # search rounds + broadcast of theta* + one uncompressed round for g*
         self._star_bits = (search.bits_up + b * 32 * d, search.bits_down + b * 32 * d)
 
+    def _centring_fingerprint(self):
+        """What :math:`\\theta^\\star` and :math:`g^\\star` are computed from: the program of
+        the clients' potentials and gradients (its lowered module, which shows the model as
+        it reads now: :func:`numpyro_fed._programs.program_key`), the user's value and the
+        search's options. ``None``: cannot be keyed (then found again at every ``init``)."""
+        pot, data = self.potential, self.partition
+
+        def target(t, data):
+            return pot.full_grads(t, data), pot.server_grad(t), pot.potential(t, data)
+
+        key = _programs.program_key(target, (jax.ShapeDtypeStruct((pot.dim,), pot.dtype),
+                                             data))
+        if key is None:
+            return None
+        user = self._theta_star_user
+        user = None if user is None else jax.tree.map(
+            lambda v: (np.shape(v), np.asarray(v).tobytes()), user)
+        try:
+            hash(extra := (repr(user), repr(sorted(self.theta_star_kwargs.items()))))
+        except TypeError:
+            return None
+        return key, extra
+
     def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
-        if self.variant == "*" and self.theta_star is None:
-            self._prepare_theta_star(rng_key)
+        if self.variant == "*":
+            # found once, and again when what it is computed from changed (never stale)
+            fp = self._centring_fingerprint()
+            if self.theta_star is None or fp is None or fp != self._star_fingerprint:
+                self._prepare_theta_star(rng_key)
+                self._star_fingerprint = fp
         return super().init(rng_key, num_warmup, init_params, model_args, model_kwargs)
 
     # -- algorithm ---------------------------------------------------------------------

@@ -12,16 +12,16 @@ The loop (Dynamax ``fit_em`` style, over the E-step and M-step objects of
 (Gruffaz et al. 2024, Sec. 2.2, eq. (2)). Burn-in, the iterations and the draws at the
 final :math:`\\theta` are one :func:`jax.lax.scan` over phases (one E-step body serves the
 three). The compiled programs take the data, the initial :math:`\\theta` and the key as
-arguments and are cached per model structure (the model, the shapes and dtypes of the data,
-the non-array arguments and the settings), so a second :meth:`SAEM.run` on new data of the
-same shapes -- a bootstrap, a covariate search, another seed -- neither re-traces nor
-recompiles.
+arguments. Every :meth:`SAEM.run` analyses the model and traces its programs afresh (what
+the model reads -- a module global, a closure, a mutable object -- is read now); the
+compiled executables are found by program content (:mod:`numpyro_fed._programs`), so a
+second run on new data of the same shapes -- a bootstrap, a covariate search, another
+seed -- compiles nothing, and a run whose programs changed never gets the old ones.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -40,7 +40,6 @@ from numpyro_fed.saem.model import (
     ModelInfo,
     centred_score_hess,
     centring_design,
-    data_signature,
     jit_loop,
     jit_once,
     joint_layout,
@@ -165,12 +164,8 @@ def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None):
 
 
 class _Structure:
-    """Everything SAEM builds from the model and the structure of its data, with the
-    compiled programs; cached (see :func:`_cached_structure`)."""
-
-
-_CACHE: OrderedDict = OrderedDict()
-_CACHE_SIZE = 32
+    """Everything SAEM builds from the model and the structure of its data, with its
+    programs; built by every run (the compiled executables are cached by content)."""
 
 
 class SAEM:
@@ -319,27 +314,6 @@ class SAEM:
         self.target_accept = float(target_accept)
         self.structure: _Structure | None = None
 
-    # ------------------------------------------------------------------ settings key
-    def _settings_key(self):
-        def h(v):
-            try:
-                hash(v)
-                return v
-            except TypeError:
-                return id(v)
-
-        return tuple(h(v) for v in (
-            # a fixed step size is an argument of the compiled programs (a step-size sweep
-            # compiles once); only whether it is fixed is part of the structure
-            self.kernel if isinstance(self.kernel, str) else id(self.kernel),
-            self.step_size is None,
-            self.num_mcmc_steps, self._num_chains, self.schedule, self.mstep_spec,
-            self.preconditioner, self.fisher, self.interweave,
-            None if self.annealed is None else tuple(self.annealed), self.subject_plate,
-            self.mh_blocks, self._prior_proposals, self.newton_damping, self.newton_max_step,
-            self.num_draws, self.init_strategy, self.init_jitter, self.target_accept,
-            self.centring))
-
     @property
     def num_chains(self) -> int:
         """Chains used (known after the model is analysed)."""
@@ -433,23 +407,11 @@ class SAEM:
         return st
 
     def _structure_for(self, rng_key, args, kwargs, init_params=None):
+        """The structure of this run, built afresh: no cache keyed on the model object or a
+        list of settings can see what the model reads (its programs are compiled once per
+        content, :func:`~numpyro_fed.saem.model.jit_once`)."""
         arrays, static = split_data(args, kwargs)
-        key = None
-        if isinstance(self.kernel, str):
-            try:
-                key = (self.model, data_signature(arrays, static), self._settings_key())
-                hash(key)
-            except TypeError:
-                key = None
-        if key is not None and key in _CACHE:
-            _CACHE.move_to_end(key)
-            st = _CACHE[key]
-        else:
-            st = self._build_structure(rng_key, args, kwargs, init_params)
-            if key is not None:
-                _CACHE[key] = st
-                while len(_CACHE) > _CACHE_SIZE:
-                    _CACHE.popitem(last=False)
+        st = self._build_structure(rng_key, args, kwargs, init_params)
         self.structure = st
         return st, arrays, static
 
@@ -587,7 +549,12 @@ class SAEM:
         total = len(xs[0])
         if st.builtin:
             chunk = self._chunk_program(st, static)
-            call = lambda c, x: chunk(c, x, arrays, aux, ids)
+            compiled = []  # traced once per run (the chunks have one shape), then called
+
+            def call(c, x):
+                if not compiled:
+                    compiled.append(chunk.compiled(c, x, arrays, aux, ids))
+                return compiled[0](c, x, arrays, aux, ids)
         else:
             data = (args, kwargs)
             call = jax.jit(lambda c, x: lax.scan(

@@ -29,6 +29,8 @@ from numpyro.distributions.transforms import IndependentTransform, biject_to
 from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.util import compute_log_probs
 
+from numpyro_fed import _programs
+
 __all__ = ["ModelInfo", "SubjectLayout", "subject_layout", "log_joint_per_subject",
            "split_data", "merge_data", "block_hessian"]
 
@@ -96,15 +98,16 @@ LOOP_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1, **_FAST_CODEGEN}
 
 
 def jit_once(fn, **kw):
-    """:func:`jax.jit` for a program that runs once per model structure (see
-    :data:`ONCE_COMPILER_OPTIONS`)."""
-    return jax.jit(fn, compiler_options=ONCE_COMPILER_OPTIONS, **kw)
+    """A program that runs once per fit (see :data:`ONCE_COMPILER_OPTIONS`): traced on
+    every call, compiled once per program content (:class:`numpyro_fed._programs.Program`,
+    never stale when the model reads a global or a mutable object)."""
+    return _programs.Program(fn, compiler_options=ONCE_COMPILER_OPTIONS, tag="SAEM", **kw)
 
 
 def jit_loop(fn, **kw):
-    """:func:`jax.jit` for the programs that run on every fit (see
-    :data:`LOOP_COMPILER_OPTIONS`)."""
-    return jax.jit(fn, compiler_options=LOOP_COMPILER_OPTIONS, **kw)
+    """The programs that run on every fit (see :data:`LOOP_COMPILER_OPTIONS`), compiled as
+    :func:`jit_once`."""
+    return _programs.Program(fn, compiler_options=LOOP_COMPILER_OPTIONS, tag="SAEM", **kw)
 
 
 # ------------------------------------------------------------------------------ model
@@ -680,8 +683,10 @@ def outside_ids_program(info: ModelInfo, layout: SubjectLayout, static, max_bloc
     theta_c = info.theta0_c
     z0 = info.z0_u_flat
 
+    # the analysis point (drawn with the run's key) is an argument, not a constant: the
+    # program is the same for every key, compiled once
     @jit_once
-    def deps(arrays, key):
+    def deps(arrays, key, theta_c, z0):
         args, kwargs = merge_data(arrays, static)
 
         def lp_out(zf):
@@ -705,7 +710,7 @@ def outside_ids_program(info: ModelInfo, layout: SubjectLayout, static, max_bloc
         return out
 
     def run(arrays, key):
-        res = deps(arrays, key)
+        res = deps(arrays, key, theta_c, z0)
         ids = {}
         for nm in outside:
             cnt, arg = (np.asarray(v) for v in res[nm])
