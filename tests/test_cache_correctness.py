@@ -38,6 +38,7 @@ from numpyro_fed import (
     compressors,
     runner,
 )
+from numpyro_fed.algorithms.oracles import ClientProblem
 from numpyro_fed.potential import FederatedPotential
 
 #: a module global the models read: the prior location (the issue's example, 0 -> 50)
@@ -333,6 +334,33 @@ def test_potential_initialiser_reads_the_model_now(restore_loc):
         key, init_to_sample))
     np.testing.assert_array_equal(x1, fresh)
     assert np.all(x1 > 40.0) and np.all(np.abs(x0) < 10.0)
+
+
+def test_deployed_client_programs_read_the_model_now(restore_loc):
+    """A deployed client's gradient oracles (:class:`ClientProblem`, what a Flower client
+    runs; its programs were kept by model object): a client built after the prior moved
+    computes the new model's gradients, equal to a client built from scratch."""
+    global LOC
+    X, y = _data()
+    rows = {"X": X[:8], "y": y[:8]}
+    theta = jnp.asarray(np.array([0.3, -0.2], np.float32))
+
+    def grads(problem):
+        return (np.asarray(problem.full_grad(theta)),
+                np.asarray(problem.batch_grad(random.key(1), theta, 4)),
+                np.asarray(problem.batch_grad_diff(random.key(1), theta, 0.5 * theta, 4)))
+
+    before = grads(ClientProblem(global_model, rows, prior_weight=0.5))
+    LOC = 50.0
+    after = grads(ClientProblem(global_model, rows, prior_weight=0.5))
+    for a, b in zip(after, before, strict=True):
+        assert not np.array_equal(a, b), "the client kept the old model's program"
+    from numpyro_fed import _programs
+
+    _programs.clear()
+    fresh = grads(ClientProblem(global_model, rows, prior_weight=0.5))
+    for a, f in zip(after, fresh, strict=True):
+        np.testing.assert_array_equal(a, f)
 
 
 @pytest.mark.parametrize("name", ["delf", "qlsd++"])

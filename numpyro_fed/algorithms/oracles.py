@@ -21,56 +21,56 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
+from numpyro_fed import _programs
 from numpyro_fed._validation import check_int
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential, batch_indices
 
 __all__ = ["ClientProblem", "client_key", "batch_indices"]  # batch_indices re-exported
 
-#: Compiled client programs shared by the clients of one process that have the same model,
-#: row schema and ``N_max`` (a loopback run or a simulation hosts all ``b`` clients in one
-#: process: the data are arguments, so they compile once, not ``b`` times). Small LRU.
-_PROGRAMS: dict[tuple, tuple[Callable, Callable, Callable]] = {}
-_PROGRAMS_MAX = 8
+class _ClientPrograms:
+    """``full_grad(theta, rows, mask, tau, w)``, ``batch_grad(key, index, theta, rows, size,
+    tau, w, n)`` and ``batch_grad_diff(key, index, theta, zeta, rows, size, tau, w, n)`` of
+    one client's potential, each compiled on its first call (per batch size ``n``) through
+    :mod:`numpyro_fed._programs`: traced afresh when a :class:`ClientProblem` is built, and
+    compiled once per program *content*, so the ``b`` clients of one process (a loopback run,
+    a simulation) share one executable, and a model or setting changed between two runs is
+    never served by the previous run's program."""
 
+    __slots__ = ("fns", "compiled")
 
-def _programs(pot: FederatedPotential, model: Callable, rows: Mapping[str, Any],
-              shared: Mapping[str, Any] | None, max_rows: int) -> tuple:
-    """Jitted ``full_grad(theta, rows, mask, tau, w)``, ``batch_grad(key, index, theta, rows,
-    size, tau, w, n)`` and ``batch_grad_diff(key, index, theta, zeta, rows, size, tau, w, n)``
-    of ``pot``'s model (cached by model, row schema and ``max_rows`` when there are no shared
-    arguments, which the compiled programs would hold as constants)."""
-    schema = tuple(sorted((k, str(v.dtype), tuple(v.shape[1:])) for k, v in rows.items()))
-    key = (model, schema, max_rows)
-    if not shared and key in _PROGRAMS:
-        _PROGRAMS[key] = _PROGRAMS.pop(key)  # most recently used last
-        return _PROGRAMS[key]
+    def __init__(self, pot: FederatedPotential, max_rows: int) -> None:
+        def full_grad(theta, rows, mask, tau, w):
+            g = jax.grad(pot._client_lik_potential)(theta, rows, mask, tau)
+            return g + w * pot.prior_grad(theta)
 
-    def full_grad(theta, rows, mask, tau, w):
-        g = jax.grad(pot._client_lik_potential)(theta, rows, mask, tau)
-        return g + w * pot.prior_grad(theta)
+        def batch(key, index, rows, size, n):
+            return jax.tree.map(lambda a: a[batch_indices(key, index, size, n, max_rows)],
+                                rows)
 
-    def batch(key, index, rows, size, n):
-        return jax.tree.map(lambda a: a[batch_indices(key, index, size, n, max_rows)], rows)
+        def batch_grad(key, index, theta, rows, size, tau, w, n):
+            r = batch(key, index, rows, size, n)
+            g = jax.grad(pot._client_batch_potential)(theta, r, size, tau, n)
+            return g + w * pot.prior_grad(theta)
 
-    def batch_grad(key, index, theta, rows, size, tau, w, n):
-        r = batch(key, index, rows, size, n)
-        g = jax.grad(pot._client_batch_potential)(theta, r, size, tau, n)
-        return g + w * pot.prior_grad(theta)
+        def batch_grad_diff(key, index, theta, zeta, rows, size, tau, w, n):
+            r = batch(key, index, rows, size, n)
+            grad_fn = jax.grad(pot._client_batch_potential)
+            g = grad_fn(theta, r, size, tau, n) - grad_fn(zeta, r, size, tau, n)
+            return g + w * (pot.prior_grad(theta) - pot.prior_grad(zeta))
 
-    def batch_grad_diff(key, index, theta, zeta, rows, size, tau, w, n):
-        r = batch(key, index, rows, size, n)
-        grad_fn = jax.grad(pot._client_batch_potential)
-        g = grad_fn(theta, r, size, tau, n) - grad_fn(zeta, r, size, tau, n)
-        return g + w * (pot.prior_grad(theta) - pot.prior_grad(zeta))
+        self.fns = {"full_grad": full_grad, "batch_grad": batch_grad,
+                    "batch_grad_diff": batch_grad_diff}
+        self.compiled: dict[tuple, Callable] = {}
 
-    progs = (jax.jit(full_grad), jax.jit(batch_grad, static_argnums=7),
-             jax.jit(batch_grad_diff, static_argnums=8))
-    if not shared:
-        _PROGRAMS[key] = progs
-        while len(_PROGRAMS) > _PROGRAMS_MAX:
-            _PROGRAMS.pop(next(iter(_PROGRAMS)))
-    return progs
+    def __call__(self, name: str, n: int | None, *args: Any) -> jax.Array:
+        run = self.compiled.get((name, n))
+        if run is None:
+            fn = self.fns[name]
+            program = fn if n is None else (lambda *a: fn(*a, n))
+            run = _programs.compile_program(program, args, tag=f"client.{name}")
+            self.compiled[(name, n)] = run
+        return run(*args)
 
 
 def client_key(key: jax.Array, index: int, num_clients: int) -> jax.Array:
@@ -127,16 +127,15 @@ class ClientProblem:
         self.w = jnp.asarray(np.float64(prior_weight))
         self.dim = pot.dim
         max_rows = int(part.sizes_np[0]) if max_size is None else int(max_size)
-        full_grad, batch_grad, batch_grad_diff = _programs(pot, model, self.rows, shared,
-                                                           max_rows)
+        progs = _ClientPrograms(pot, max_rows)
         self.index = int(index)
         rows_, size, mask, tau, w = self.rows, self.size, self.mask, self.tau, self.w
         i = jnp.asarray(self.index, jnp.int32)
-        self.full_grad = lambda theta: full_grad(theta, rows_, mask, tau, w)
-        self.batch_grad = lambda key, theta, n: batch_grad(key, i, theta, rows_, size, tau, w, n)
-        self.batch_grad_diff = lambda key, theta, zeta, n: batch_grad_diff(
-            key, i, theta, zeta, rows_, size, tau, w, n
-        )
+        self.full_grad = lambda theta: progs("full_grad", None, theta, rows_, mask, tau, w)
+        self.batch_grad = lambda key, theta, n: progs("batch_grad", int(n), key, i, theta,
+                                                      rows_, size, tau, w)
+        self.batch_grad_diff = lambda key, theta, zeta, n: progs(
+            "batch_grad_diff", int(n), key, i, theta, zeta, rows_, size, tau, w)
 
     def oracle(self, key: jax.Array, theta: jax.Array, batch_size: int | None) -> jax.Array:
         """:math:`H_i(\\theta)`: exact gradient, or the minibatch oracle drawn from the
