@@ -410,8 +410,9 @@ class SAEM:
         """The structure of this run, built afresh: no cache keyed on the model object or a
         list of settings can see what the model reads (its programs are compiled once per
         content, :func:`~numpyro_fed.saem.model.jit_once`)."""
-        arrays, static = split_data(args, kwargs)
         st = self._build_structure(rng_key, args, kwargs, init_params)
+        # the arrays the model reads concretely are static (constants of the programs)
+        arrays, static = split_data(args, kwargs, st.info.static_data)
         self.structure = st
         return st, arrays, static
 
@@ -721,6 +722,8 @@ class SAEM:
             "use_fisher": st.use_fisher,
             "centring": bool(st.builtin and st.has_subjects and self.centring),
             "interweave": bool(getattr(st.mstep, "interweave", False)),
+            # the data arguments the model reads concretely (static: compiled per value)
+            "static_data": list(st.info.static_data),
         }
 
 
