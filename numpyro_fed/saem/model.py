@@ -49,12 +49,15 @@ class StaticData:
     constant of the program, so the content-keyed cache of :mod:`numpyro_fed._programs`
     compiles once per value) instead of traced. Hashable and compared by content (its
     type, shape, dtype and bytes); :func:`merge_data` hands the model the original object,
-    as NumPyro's MCMC does."""
+    as NumPyro's MCMC does (a ``jax.Array`` as the NumPy array of its values: JAX stages
+    every operation on a closed-over ``jax.Array`` inside a trace)."""
 
     __slots__ = ("value", "_digest")
 
     def __init__(self, value) -> None:
-        self.value = value
+        # a jax.Array would be staged again by every operation inside a trace (x.max() of a
+        # closed-over jax.Array is a tracer): the model gets its values as a NumPy array
+        self.value = np.asarray(value) if isinstance(value, jax.Array) else value
         self._digest: bytes | None = None
 
     @property
@@ -258,9 +261,11 @@ def _unhandled_message(model, args, kwargs, key, values, traced, names, err,
     """The error for a model that fails even with every data argument static: which param
     or latent value it reads concretely, and where."""
     where = user_frame(err)
-    culprits = [n for n in traced
-                if _abstract_run(model, args, kwargs, key, frozenset(names), values,
-                                 {n: traced[n]}) is not None]
+    culprits = []
+    if _abstract_run(model, args, kwargs, key, frozenset(names), values, {}) is None:
+        culprits = [n for n in traced
+                    if _abstract_run(model, args, kwargs, key, frozenset(names), values,
+                                     {n: traced[n]}) is not None]
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     at = f" at {where}" if where else ""
     if culprits:
