@@ -41,7 +41,9 @@ def test_the_four_cases_are_the_data_dependent_ones():
 
 # ------------------------------------------------------------------ the cases and twins
 @pytest.mark.parametrize("name", [
-    "sleepstudy_unique", "cbpp_long",
+    "cbpp_long",  # int(max) + 1, a param shape from len(np.unique), Python control flow
+    # (the default fit below covers sleepstudy_unique)
+    pytest.param("sleepstudy_unique", marks=pytest.mark.slow),
     pytest.param("orthodont_bincount", marks=pytest.mark.slow),
     pytest.param("dyestuff_int", marks=pytest.mark.slow),
 ])
@@ -196,8 +198,8 @@ def test_static_data_is_keyed_by_content():
 
 
 # ------------------------------------------------------------------ runs
-@pytest.mark.parametrize("n", [6, np.int64(6), jnp.asarray(6)], ids=["int", "np.int64",
-                                                                     "0-d array"])
+@pytest.mark.parametrize("n", [pytest.param(6, marks=pytest.mark.slow), np.int64(6),
+                               jnp.asarray(6)], ids=["int", "np.int64", "0-d array"])
 def test_size_passed_as_an_argument(n):
     """Dyestuff with the number of batches passed positionally as a Python int, a NumPy
     integer or a 0-d array: the same fit as the twin with the size a constant default."""

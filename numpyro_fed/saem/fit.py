@@ -45,6 +45,7 @@ from numpyro_fed.saem.model import (
     joint_layout,
     merge_data,
     split_data,
+    static_as_numpy,
     subject_layout,
 )
 from numpyro_fed.saem.mstep import (
@@ -328,6 +329,11 @@ class SAEM:
         if init_params is not None:  # before anything is compiled
             info.check_init_params(init_params)
         st.info = info
+        # the arrays the model reads concretely, as NumPy arrays from here on: every program
+        # that closes over the data sees concrete values (JAX stages operations on a
+        # closed-over jax.Array)
+        args, kwargs = static_as_numpy(args, kwargs, info.static_data)
+        st.data = (args, kwargs)
         builtin = isinstance(self.kernel, str)
         layout, reason = (None, "mh_blocks='joint'")
         if self.mh_blocks != "joint" and builtin:
@@ -412,9 +418,10 @@ class SAEM:
         content, :func:`~numpyro_fed.saem.model.jit_once`)."""
         st = self._build_structure(rng_key, args, kwargs, init_params)
         # the arrays the model reads concretely are static (constants of the programs)
+        args, kwargs = st.data
         arrays, static = split_data(args, kwargs, st.info.static_data)
         self.structure = st
-        return st, arrays, static
+        return st, arrays, static, args, kwargs
 
     # ------------------------------------------------------------------ programs
     def _init_program(self, st: _Structure, static):
@@ -524,7 +531,8 @@ class SAEM:
                 f"{type(rng_key).__name__} {rng_key!r}."
             )
         args, kwargs = model_args, model_kwargs
-        st, arrays, static = self._structure_for(rng_key, args, kwargs, init_params)
+        st, arrays, static, args, kwargs = self._structure_for(rng_key, args, kwargs,
+                                                               init_params)
         info = st.info
         if init_params is not None:
             tc = info.check_init_params(init_params)

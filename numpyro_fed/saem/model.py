@@ -32,8 +32,9 @@ from numpyro.infer.util import compute_log_probs
 
 from numpyro_fed import _programs
 
-__all__ = ["ModelInfo", "SubjectLayout", "subject_layout", "log_joint_per_subject",
-           "split_data", "merge_data", "block_hessian"]
+__all__ = ["ModelInfo", "StaticData", "SubjectLayout", "subject_layout",
+           "log_joint_per_subject", "split_data", "merge_data", "static_as_numpy",
+           "find_static_data", "block_hessian"]
 
 
 # ------------------------------------------------------------------------------ data
@@ -104,6 +105,20 @@ def split_data(args: tuple, kwargs: dict, static_names=()):
         else:
             static_k[k] = StaticData(v) if _is_array(v) else v
     return (tuple(arrays_a), arrays_k), (tuple(static_a), tuple(sorted(static_k.items())))
+
+
+def static_as_numpy(args: tuple, kwargs: dict, static_names=()):
+    """``(args, kwargs)`` with the ``jax.Array`` arguments in ``static_names`` (those the
+    model reads concretely) as NumPy arrays: inside a trace JAX stages every operation on a
+    closed-over ``jax.Array`` (``int(x.max())`` of one is a tracer), never on a NumPy one."""
+    if not static_names:
+        return args, kwargs
+
+    def conv(name, v):
+        return np.asarray(v) if name in static_names and isinstance(v, jax.Array) else v
+
+    return (tuple(conv(i, v) for i, v in enumerate(args)),
+            {k: conv(k, v) for k, v in kwargs.items()})
 
 
 def _unwrap(v):
