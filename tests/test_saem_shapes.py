@@ -17,7 +17,7 @@ import saem_cases as sc
 from numpyro.distributions import constraints
 
 from numpyro_fed.saem import SAEM, Schedule
-from numpyro_fed.saem.model import ModelInfo, StaticData, merge_data, split_data
+from numpyro_fed.saem.model import ModelInfo, merge_data, split_data
 
 DATA_DEPENDENT = [n for n in sc.CASE_NAMES if sc.get_case(n).data_dependent_shapes]
 #: the arguments each case's model reads concretely (the others stay traced)
@@ -183,6 +183,8 @@ def test_positional_static_argument():
 
 
 def test_static_data_is_keyed_by_content():
+    from numpyro_fed.saem.model import StaticData
+
     a = np.arange(6, dtype=np.int32)
     assert StaticData(a) == StaticData(a.copy()) and hash(StaticData(a)) == hash(
         StaticData(a.copy()))
