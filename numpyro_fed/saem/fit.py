@@ -522,6 +522,15 @@ class SAEM:
             ``tqdm`` progress bar.
         :param model_kwargs: keyword arguments of the model (data).
         :return: a :class:`~numpyro_fed.saem.SAEMResult`.
+
+        The model may compute shapes and control flow from its data, as NumPyro's MCMC
+        allows (``numpyro.plate("subject", int(subj.max()) + 1)``, ``len(np.unique(x))``,
+        ``np.bincount``, ``if np.any(...)``): the data arguments it reads concretely are
+        found by tracing it abstractly (:func:`~numpyro_fed.saem.model.find_static_data`)
+        and are constants of the compiled programs (compiled once per value); the others
+        are traced (compiled once per shape). ``result.settings["static_data"]`` lists them.
+        :raises ValueError: the model reads a param or latent value in Python (named, with
+            the file and line).
         """
         if not (isinstance(rng_key, jax.Array) and (
                 jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
