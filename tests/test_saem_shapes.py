@@ -175,6 +175,15 @@ def test_static_data_found_for_each_idiom(model, extra, expected):
     jax.eval_shape(run, arrays, values)  # runs with the traced arrays, params and latents
 
 
+def test_static_data_given_as_jax_arrays():
+    """Data given as jax.Arrays: the one the model reads concretely is found too (and
+    reaches the programs as NumPy: a closed-over jax.Array would be traced again)."""
+    subj, x, y = _rows()
+    data = {"subj": jnp.asarray(subj), "x": jnp.asarray(x), "y": jnp.asarray(y)}
+    info = ModelInfo(m_unique, (), data, jax.random.key(0))
+    assert info.static_data == ("subj",)
+
+
 def test_positional_static_argument():
     """Positional arguments are found by position."""
     subj, x, y = _rows()
