@@ -282,6 +282,7 @@ def _unhandled_message(model, args, kwargs, key, values, traced, names, err,
                     if _abstract_run(model, args, kwargs, key, frozenset(names), values,
                                      {n: traced[n]}) is not None]
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    first = first.rstrip(".") + "."
     at = f" at {where}" if where else ""
     if culprits:
         kinds = ", ".join(
