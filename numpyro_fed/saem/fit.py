@@ -45,6 +45,7 @@ from numpyro_fed.saem.model import (
     joint_layout,
     merge_data,
     split_data,
+    static_as_numpy,
     subject_layout,
 )
 from numpyro_fed.saem.mstep import (
@@ -328,6 +329,11 @@ class SAEM:
         if init_params is not None:  # before anything is compiled
             info.check_init_params(init_params)
         st.info = info
+        # the arrays the model reads concretely, as NumPy arrays from here on: every program
+        # that closes over the data sees concrete values (JAX stages operations on a
+        # closed-over jax.Array)
+        args, kwargs = static_as_numpy(args, kwargs, info.static_data)
+        st.data = (args, kwargs)
         builtin = isinstance(self.kernel, str)
         layout, reason = (None, "mh_blocks='joint'")
         if self.mh_blocks != "joint" and builtin:
@@ -410,10 +416,12 @@ class SAEM:
         """The structure of this run, built afresh: no cache keyed on the model object or a
         list of settings can see what the model reads (its programs are compiled once per
         content, :func:`~numpyro_fed.saem.model.jit_once`)."""
-        arrays, static = split_data(args, kwargs)
         st = self._build_structure(rng_key, args, kwargs, init_params)
+        # the arrays the model reads concretely are static (constants of the programs)
+        args, kwargs = st.data
+        arrays, static = split_data(args, kwargs, st.info.static_data)
         self.structure = st
-        return st, arrays, static
+        return st, arrays, static, args, kwargs
 
     # ------------------------------------------------------------------ programs
     def _init_program(self, st: _Structure, static):
@@ -514,6 +522,15 @@ class SAEM:
             ``tqdm`` progress bar.
         :param model_kwargs: keyword arguments of the model (data).
         :return: a :class:`~numpyro_fed.saem.SAEMResult`.
+
+        The model may compute shapes and control flow from its data, as NumPyro's MCMC
+        allows (``numpyro.plate("subject", int(subj.max()) + 1)``, ``len(np.unique(x))``,
+        ``np.bincount``, ``if np.any(...)``): the data arguments it reads concretely are
+        found by tracing it abstractly (:func:`~numpyro_fed.saem.model.find_static_data`)
+        and are constants of the compiled programs (compiled once per value); the others
+        are traced (compiled once per shape). ``result.settings["static_data"]`` lists them.
+        :raises ValueError: the model reads a param or latent value in Python (named, with
+            the file and line).
         """
         if not (isinstance(rng_key, jax.Array) and (
                 jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
@@ -523,7 +540,8 @@ class SAEM:
                 f"{type(rng_key).__name__} {rng_key!r}."
             )
         args, kwargs = model_args, model_kwargs
-        st, arrays, static = self._structure_for(rng_key, args, kwargs, init_params)
+        st, arrays, static, args, kwargs = self._structure_for(rng_key, args, kwargs,
+                                                               init_params)
         info = st.info
         if init_params is not None:
             tc = info.check_init_params(init_params)
@@ -721,6 +739,8 @@ class SAEM:
             "use_fisher": st.use_fisher,
             "centring": bool(st.builtin and st.has_subjects and self.centring),
             "interweave": bool(getattr(st.mstep, "interweave", False)),
+            # the data arguments the model reads concretely (static: compiled per value)
+            "static_data": list(st.info.static_data),
         }
 
 

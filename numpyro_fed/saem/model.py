@@ -14,6 +14,7 @@ the E-step (per-subject Metropolis tests) and the likelihood (per-subject integr
 
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple
 
 import jax
@@ -31,8 +32,9 @@ from numpyro.infer.util import compute_log_probs
 
 from numpyro_fed import _programs
 
-__all__ = ["ModelInfo", "SubjectLayout", "subject_layout", "log_joint_per_subject",
-           "split_data", "merge_data", "block_hessian"]
+__all__ = ["ModelInfo", "StaticData", "SubjectLayout", "subject_layout",
+           "log_joint_per_subject", "split_data", "merge_data", "static_as_numpy",
+           "find_static_data", "block_hessian"]
 
 
 # ------------------------------------------------------------------------------ data
@@ -42,33 +44,94 @@ def _is_array(v) -> bool:
     )
 
 
-def split_data(args: tuple, kwargs: dict):
+class StaticData:
+    """A data argument the model reads concretely (a plate size from ``x.max()``,
+    ``np.unique``, Python control flow on it): closed over by the compiled programs (a
+    constant of the program, so the content-keyed cache of :mod:`numpyro_fed._programs`
+    compiles once per value) instead of traced. Hashable and compared by content (its
+    type, shape, dtype and bytes); :func:`merge_data` hands the model the original object,
+    as NumPyro's MCMC does (a ``jax.Array`` as the NumPy array of its values: JAX stages
+    every operation on a closed-over ``jax.Array`` inside a trace)."""
+
+    __slots__ = ("value", "_digest")
+
+    def __init__(self, value) -> None:
+        # a jax.Array would be staged again by every operation inside a trace (x.max() of a
+        # closed-over jax.Array is a tracer): the model gets its values as a NumPy array
+        self.value = np.asarray(value) if isinstance(value, jax.Array) else value
+        self._digest: bytes | None = None
+
+    @property
+    def digest(self) -> bytes:
+        if self._digest is None:
+            h = hashlib.blake2b(digest_size=20)
+            h.update(f"{type(self.value).__module__}.{type(self.value).__name__}".encode())
+            _programs._array_digest(h, self.value)
+            self._digest = h.digest()
+        return self._digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StaticData) and other.digest == self.digest
+
+    def __repr__(self) -> str:
+        return (f"StaticData({type(self.value).__name__}{tuple(np.shape(self.value))} "
+                f"{np.asarray(self.value).dtype}, {self.digest.hex()[:16]})")
+
+
+def split_data(args: tuple, kwargs: dict, static_names=()):
     """Split model arguments into array leaves (traced by the compiled programs: new values
-    reuse them) and a hashable static remainder (part of the compilation cache key)."""
+    reuse them) and a hashable static remainder (part of the compilation cache key).
+
+    :param static_names: the array arguments the model reads concretely
+        (:attr:`ModelInfo.static_data`: positions of positional arguments, names of
+        keyword arguments); they go to the static part as :class:`StaticData`.
+    """
     arrays_a, static_a = [], []
-    for v in args:
-        if _is_array(v):
+    for i, v in enumerate(args):
+        if _is_array(v) and i not in static_names:
             arrays_a.append(jnp.asarray(v))
             static_a.append(None)
         else:
             arrays_a.append(None)
-            static_a.append(v)
+            static_a.append(StaticData(v) if _is_array(v) else v)
     arrays_k, static_k = {}, {}
     for k in sorted(kwargs):
         v = kwargs[k]
-        if _is_array(v):
+        if _is_array(v) and k not in static_names:
             arrays_k[k] = jnp.asarray(v)
         else:
-            static_k[k] = v
+            static_k[k] = StaticData(v) if _is_array(v) else v
     return (tuple(arrays_a), arrays_k), (tuple(static_a), tuple(sorted(static_k.items())))
+
+
+def static_as_numpy(args: tuple, kwargs: dict, static_names=()):
+    """``(args, kwargs)`` with the ``jax.Array`` arguments in ``static_names`` (those the
+    model reads concretely) as NumPy arrays: inside a trace JAX stages every operation on a
+    closed-over ``jax.Array`` (``int(x.max())`` of one is a tracer), never on a NumPy one."""
+    if not static_names:
+        return args, kwargs
+
+    def conv(name, v):
+        return np.asarray(v) if name in static_names and isinstance(v, jax.Array) else v
+
+    return (tuple(conv(i, v) for i, v in enumerate(args)),
+            {k: conv(k, v) for k, v in kwargs.items()})
+
+
+def _unwrap(v):
+    return v.value if isinstance(v, StaticData) else v
 
 
 def merge_data(arrays, static):
     """Inverse of :func:`split_data`: ``(args, kwargs)``."""
     arrays_a, arrays_k = arrays
     static_a, static_k = static
-    args = tuple(a if s is None else s for a, s in zip(arrays_a, static_a, strict=True))
-    return args, {**dict(static_k), **arrays_k}
+    args = tuple(a if s is None else _unwrap(s)
+                 for a, s in zip(arrays_a, static_a, strict=True))
+    return args, {**{k: _unwrap(v) for k, v in static_k}, **arrays_k}
 
 
 def data_signature(arrays, static):
@@ -80,6 +143,164 @@ def data_signature(arrays, static):
     except TypeError:
         st = repr(static)
     return (tree, tuple((tuple(np.shape(v)), str(jnp.result_type(v))) for v in leaves), st)
+
+
+def _arg_label(name) -> str:
+    return f"positional argument {name}" if isinstance(name, int) else f"argument '{name}'"
+
+
+def _array_names(args, kwargs) -> list:
+    """The array arguments, non-integer ones first (those a model most often only computes
+    with), by position or keyword."""
+    named = [(i, v) for i, v in enumerate(args) if _is_array(v)]
+    named += [(k, kwargs[k]) for k in sorted(kwargs) if _is_array(kwargs[k])]
+
+    def is_int(v):
+        dt = np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype
+        return bool(np.issubdtype(dt, np.integer) or np.issubdtype(dt, np.bool_))
+
+    return ([n for n, v in named if not is_int(v)], [n for n, v in named if is_int(v)])
+
+
+def _abstract_run(model, args, kwargs, key, static_names, values: dict, traced: dict):
+    """Run the model as the compiled programs do -- the array arguments not in
+    ``static_names`` traced, the param and latent values of ``traced`` traced, the other
+    ``values`` constants -- shapes only (:func:`jax.eval_shape`: nothing is compiled).
+    Returns the exception raised, or ``None``."""
+    arrays, static = split_data(args, kwargs, static_names)
+    const = {n: v for n, v in values.items() if n not in traced}
+
+    def run(arrs, tv):
+        a, k = merge_data(arrs, static)
+        return compute_log_probs(seed(model, key), a, k, {**const, **tv},
+                                 sum_log_prob=False)[0]
+
+    try:
+        jax.eval_shape(run, arrays, traced)
+    except Exception as err:  # noqa: BLE001 -- the caller decides what it means
+        return err
+    return None
+
+
+def find_static_data(model, args, kwargs, key, values: dict, param_names, latent_names):
+    """The array arguments the model must see concretely (NumPyro's MCMC passes concrete
+    model arguments; SAEM's compiled programs trace the data to compile once per shape).
+
+    The model is run abstractly (:func:`jax.eval_shape`, no compilation) with the data
+    traced, as the compiled programs run it; if that fails (a plate size from
+    ``int(x.max()) + 1``, ``len(np.unique(x))``, ``np.bincount``; Python control flow on
+    data; boolean indexing), the integer arrays are made static, else every array, and then
+    as many arguments as possible are traced again, one at a time (non-integer ones first),
+    keeping each that the model does not concretise: a minimal static set, the rest traced.
+
+    :return: a tuple of argument positions (int) and keyword names (str), sorted.
+    :raises ValueError: the model fails even with every array argument static: it reads a
+        param or latent value concretely (named, with the file and line).
+    """
+    traced = {n: values[n] for n in list(param_names) + list(latent_names)}
+    floats, ints = _array_names(args, kwargs)
+
+    def fails(names):
+        return _abstract_run(model, args, kwargs, key, frozenset(names), values, traced)
+
+    err0 = fails(())
+    if err0 is None:
+        return ()
+    if ints and fails(ints) is None:
+        keep, order = set(ints), list(ints)
+    else:
+        err = fails(floats + ints)
+        if err is not None:
+            raise ValueError(_unhandled_message(model, args, kwargs, key, values, traced,
+                                                floats + ints, err, set(param_names))
+                             ) from err
+        keep, order = set(floats + ints), floats + ints
+    for n in order:
+        if fails(keep - {n}) is None:
+            keep.discard(n)
+    return tuple(sorted(keep, key=lambda n: (isinstance(n, str), str(n))))
+
+
+_LIBRARY_DIRS: tuple | None = None
+
+
+def _library_dirs() -> tuple:
+    global _LIBRARY_DIRS
+    if _LIBRARY_DIRS is None:
+        import os
+        import sysconfig
+
+        import jaxlib
+        import numpyro
+
+        dirs = [os.path.dirname(m.__file__) for m in (jax, jaxlib, numpyro, np)]
+        dirs.append(os.path.dirname(os.path.abspath(__file__)))  # numpyro_fed/saem
+        dirs.append(os.path.abspath(_programs.__file__))
+        for k in ("stdlib", "platstdlib"):
+            try:
+                dirs.append(sysconfig.get_paths()[k])
+            except KeyError:
+                pass
+        _LIBRARY_DIRS = tuple(os.path.abspath(d) for d in dirs)
+    return _LIBRARY_DIRS
+
+
+def user_frame(err: BaseException) -> str:
+    """``file:line (code)`` of the deepest frame of ``err``'s traceback outside JAX, NumPyro,
+    NumPy, the standard library and SAEM itself: the user's line where it happened; ``""``
+    when there is none."""
+    import os
+    import traceback
+
+    libs = _library_dirs()
+    found = ""
+    seen = set()
+    e = err
+    while e is not None and id(e) not in seen:  # JAX may keep the full trace in a cause
+        seen.add(id(e))
+        for fr in traceback.extract_tb(e.__traceback__):
+            f = os.path.abspath(fr.filename)
+            if fr.filename.startswith("<") or any(f.startswith(d + os.sep) or f == d
+                                                    for d in libs):
+                continue
+            code = f" (`{fr.line.strip()}`)" if fr.line else ""
+            found = f"{fr.filename}:{fr.lineno}{code}"
+        if found:
+            break
+        e = e.__cause__ or e.__context__
+    return found
+
+
+def _unhandled_message(model, args, kwargs, key, values, traced, names, err,
+                       params=()) -> str:
+    """The error for a model that fails even with every data argument static: which param
+    or latent value it reads concretely, and where."""
+    where = user_frame(err)
+    culprits = []
+    if _abstract_run(model, args, kwargs, key, frozenset(names), values, {}) is None:
+        culprits = [n for n in traced
+                    if _abstract_run(model, args, kwargs, key, frozenset(names), values,
+                                     {n: traced[n]}) is not None]
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    first = first.rstrip(".") + "."
+    at = f" at {where}" if where else ""
+    if culprits:
+        kinds = ", ".join(
+            f"{'param site' if n in params else 'latent site'} '{n}'" for n in culprits)
+        return (
+            f"SAEM: the model uses the value of {kinds} in Python{at}: {first} "
+            "SAEM estimates params and samples latents inside compiled programs, where "
+            "their values are abstract (every data argument was already given to the "
+            "model concretely). Write that line with jax.numpy (`jnp.where`, "
+            "`jax.lax.cond`, shapes from the data rather than from a param), or pass the "
+            "value as data (a model argument)."
+        )
+    return (
+        f"SAEM: the model cannot be traced{at}, even with every data argument ("
+        + ", ".join(_arg_label(n) for n in names) + ") given concretely: "
+        f"{type(err).__name__}: {first} Rewrite that line with jax.numpy operations "
+        "(SAEM runs the model inside compiled programs, as jax.jit does)."
+    )
 
 
 #: XLA:CPU's fusion emitters (``xla_cpu_use_fusion_emitters``, on by default) generate each
@@ -201,6 +422,14 @@ class ModelInfo:
         )
         self.dim_theta_c = int(self.param_offsets[-1])
         self._staged: dict = {}
+        #: the array arguments the model reads concretely (positions of positional
+        #: arguments, names of keyword arguments): static in the compiled programs
+        #: (constants, compiled once per value), the others traced (compiled once per
+        #: shape); see :func:`find_static_data`
+        self.static_data: tuple = find_static_data(
+            model, args, kwargs, key,
+            {n: tr[n]["value"] for n in self.param_names + self.latent_names},
+            self.param_names, self.latent_names)
 
     # -- theta ------------------------------------------------------------------------------
     def constrain_theta(self, theta_u_flat) -> dict:
@@ -268,7 +497,7 @@ class ModelInfo:
         on concrete values, the model runs eagerly as before (a model may use its data on the
         host).
         """
-        arrays, static = split_data(args, kwargs)
+        arrays, static = split_data(args, kwargs, self.static_data)
         leaves = jax.tree.leaves((values, arrays))
         if any(isinstance(v, jax.core.Tracer) for v in leaves):
             try:
@@ -653,7 +882,7 @@ def subject_layout(info: ModelInfo, name: str | None, args, kwargs, key,
             outside.append(nm)
     lay = SubjectLayout(plate, int(n), q, zidx, (), tuple(outside))
     if outside:
-        arrays, static = split_data(args, kwargs)
+        arrays, static = split_data(args, kwargs, info.static_data)
         fn = outside_ids_program(info, lay, static)
         lay = lay._replace(ids_program=fn)
         ids, err = fn(arrays, key)
@@ -718,7 +947,7 @@ def outside_ids_program(info: ModelInfo, layout: SubjectLayout, static, max_bloc
                 return None, (f"an element of the log-density of site '{nm}' depends on the "
                               "latents of more than one subject")
             ids[nm] = np.where(cnt == 1, arg, -1).astype(np.int32)
-        msg = _clamped_subject_index(arrays, ids, n)
+        msg = _clamped_subject_index(merge_data(arrays, static), ids, n)
         if msg:
             raise ValueError(msg)
         return ids, ""
@@ -726,14 +955,15 @@ def outside_ids_program(info: ModelInfo, layout: SubjectLayout, static, max_bloc
     return run
 
 
-def _clamped_subject_index(arrays, ids: dict, n: int) -> str:
+def _clamped_subject_index(data, ids: dict, n: int) -> str:
     """An error message when an integer data argument is a subject index (its in-range
     values are the subjects the rows were found to depend on) with values outside
     ``0..n-1``: JAX indexing clamps them (``>= n`` reads subject ``n-1``, a negative one
-    counts from the end) and those rows would silently be fitted to the wrong subject."""
-    arrays_a, arrays_k = arrays
-    named = [(f"argument {i}", a) for i, a in enumerate(arrays_a) if a is not None]
-    named += [(f"'{k}'", a) for k, a in arrays_k.items()]
+    counts from the end) and those rows would silently be fitted to the wrong subject.
+    ``data``: the model's ``(args, kwargs)`` (traced and static arrays alike)."""
+    args, kwargs = data
+    named = [(f"argument {i}", a) for i, a in enumerate(args) if _is_array(a)]
+    named += [(f"'{k}'", a) for k, a in kwargs.items() if _is_array(a)]
     for label, a in named:
         if not jnp.issubdtype(jnp.result_type(a), jnp.integer) or np.ndim(a) == 0:
             continue

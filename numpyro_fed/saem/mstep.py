@@ -43,7 +43,7 @@ from jax import lax, random
 from jax.flatten_util import ravel_pytree
 from numpyro.distributions import constraints
 
-from numpyro_fed.saem.model import ModelInfo, jit_once
+from numpyro_fed.saem.model import ModelInfo, jit_once, merge_data, split_data
 
 __all__ = ["SufficientStatistics", "GaussianMStep", "NewtonMStep", "UserMStep",
            "detect_gaussian"]
@@ -185,7 +185,7 @@ def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | 
     zs = [z0, z0 + 0.2 * random.normal(k3, z0.shape)]
     site_names = info.latent_names + info.observed_names
 
-    def parts(tcf, zf):
+    def parts(tcf, zf, args, kwargs):
         zc, _ = info.constrain_z(zf)
         tr = info.trace_at(unravel_c(tcf), zc, args, kwargs)
         out = {}
@@ -203,19 +203,25 @@ def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | 
                     out[n] = (m[0].reshape(-1), m[1].reshape(-1))
         return out
 
-    def site_lps(tcf, zf):
+    def site_lps(tcf, zf, args, kwargs):
         zc, _ = info.constrain_z(zf)
         lps = info.site_log_probs({**unravel_c(tcf), **zc}, args, kwargs)
         return {n: jnp.sum(v) for n, v in lps.items()}
 
-    def probe(P, Z):
-        jac_val = jax.jacfwd(lambda t, z: (parts(t, z),) * 2, has_aux=True)
+    # the data are arguments of the probe (those the model reads concretely are constants):
+    # new data of the same shapes reuse its compiled program
+    arrays, static = split_data(args, kwargs, info.static_data)
+
+    def probe(P, Z, arrays):
+        a, k = merge_data(arrays, static)
+        jac_val = jax.jacfwd(lambda t, z: (parts(t, z, a, k),) * 2, has_aux=True)
         jacs, vals = jax.vmap(jax.vmap(jac_val, (None, 0)), (0, None))(P, Z)
-        dep = jax.vmap(jax.vmap(jax.jacfwd(site_lps), (None, 0)), (0, None))(P, Z)
+        dep = jax.vmap(jax.vmap(jax.jacfwd(lambda t, z: site_lps(t, z, a, k)), (None, 0)),
+                       (0, None))(P, Z)
         return vals, jacs, dep
 
     P, Z = jnp.stack(probes_c), jnp.stack(zs)
-    vals, jacs, dep = jax.tree.map(np.asarray, jit_once(probe)(P, Z))
+    vals, jacs, dep = jax.tree.map(np.asarray, jit_once(probe)(P, Z, arrays))
     # which params enter the log-density of each site (any probe)
     enters = {n: {int(coord_param[j]) for j in np.nonzero(np.any(dep[n] != 0, (0, 1)))[0]}
               for n in site_names}

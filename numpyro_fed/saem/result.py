@@ -260,7 +260,7 @@ class SAEMResult:
     def _program(self, name: str, build):
         """A compiled ``f(arrays, ids, *args)`` of ``build(args, kwargs)``, cached per
         structure and name."""
-        arrays, static = split_data(self.args, self.kwargs)
+        arrays, static = split_data(self.args, self.kwargs, self.info.static_data)
         key = (name, repr(static))
         prog = self._programs.get(key)
         if prog is None:
