@@ -1901,9 +1901,10 @@ def _fingerprint(case: Case) -> str:
     h = hashlib.sha256()
     init, _ = _spec(case.name)
     for k in sorted(case.data):
-        if not hasattr(case.data[k], "shape"):  # a static argument (nlme's binding)
-            continue
-        a = np.asarray(case.data[k])
+        v = case.data[k]
+        if not hasattr(v, "shape") and not isinstance(v, (bool, int, float, str)):
+            continue  # a static object (nlme's binding), derived from the arrays
+        a = np.asarray(v)
         h.update(k.encode() + str(a.dtype).encode() + a.tobytes())
     for k in sorted(init):
         h.update(k.encode() + np.asarray(init[k], np.float64).tobytes())
