@@ -215,7 +215,14 @@ class NLMEFit:
     def individual_parameters(self, kind: str = "mode") -> dict[str, np.ndarray]:
         """Natural-scale individual parameters ``{name: (n,)}`` at the conditional modes
         (``kind="mode"``), the conditional means of the transformed parameters
-        (``"mean"``) or the typical values (``"typical"``, random effects 0)."""
+        (``"mean"``) or the typical values (``"typical"``, random effects 0). With
+        time-varying covariates: at their references (the values in force at each record
+        add ``pk.time_varying_offset``)."""
+        return {k: np.asarray(v) for k, v in self.pk.individual(self._phi(kind)).items()}
+
+    def _phi(self, kind: str) -> dict:
+        """Transformed individual parameters ``{name: (n,)}`` of ``kind`` (see
+        :meth:`individual_parameters`)."""
         phi = dict(self._typical(self._arrays))
         if kind == "mode":
             phi.update({k: jnp.asarray(v) for k, v in self.conditional_modes().items()})
@@ -224,7 +231,7 @@ class NLMEFit:
             phi.update({k: jnp.asarray(v.mean(axis=(0, 1))) for k, v in draws.items()})
         elif kind != "typical":
             raise ValueError(f"kind={kind!r}: use 'mode', 'mean' or 'typical'.")
-        return {k: np.asarray(v) for k, v in self.pk.individual(phi).items()}
+        return phi
 
     def individual_estimates(self, subjects=None, *, positions=None):
         """Per subject and parameter: the conditional mode (EBE), the conditional mean and
@@ -271,13 +278,33 @@ class NLMEFit:
     def _error_params(self):
         return {k: jnp.asarray(self.params[k]) for k in self.pk.error.param_names}
 
-    def _predict(self, indiv: dict, arrays: dict, times=None):
+    def _at_records(self, phi: dict, arrays: dict, times=None):
+        """With time-varying covariates: the parameters in force at each observation (or
+        each of ``times``, the covariates carried forward from the records) and dose."""
+        b = arrays.get("binding")
+        if b is None or not b.time_varying:
+            return None
+        tv_o = {c: arrays[f"tvo_{c}"] for c in b.time_varying}
+        tv_d = {c: arrays[f"tvd_{c}"] for c in b.time_varying}
+        if times is not None:
+            tv_o = _carry_forward(arrays, tv_o, tv_d, np.asarray(times))
+        th = {k: np.asarray(v) for k, v in self.params.items()}
+        return self.pk.record_parameters(
+            {k: jnp.asarray(v) for k, v in phi.items()},
+            {k: jnp.asarray(v) for k, v in tv_o.items()},
+            {k: jnp.asarray(v) for k, v in tv_d.items()}, th, binding=b)
+
+    def _predict(self, phi: dict, arrays: dict, times=None):
+        """Predictions from transformed parameters ``phi`` ``{name: (n,)}`` at the
+        observations, or at ``times`` ``(n, G)`` (a grid: the observed compartment)."""
         t = jnp.asarray(arrays["obs_time"] if times is None else times)
         nb = arrays["doses_before"] if times is None else None
         cmt = arrays.get("obs_cmt") if times is None else None  # a grid: the observed one
-        return np.asarray(self.pk.predict({k: jnp.asarray(v) for k, v in indiv.items()}, t,
-                                          _doses(arrays), nb, binding=arrays.get("binding"),
-                                          obs_cmt=cmt))
+        at = self._at_records(phi, arrays, times)
+        indiv = self.pk.individual({k: jnp.asarray(v) for k, v in phi.items()})
+        return np.asarray(self.pk.predict(indiv, t, _doses(arrays), nb,
+                                          binding=arrays.get("binding"), obs_cmt=cmt,
+                                          at_records=at))
 
     def cwres(self) -> np.ndarray:
         """Conditional weighted residuals ``(n, T)`` (FOCE-I linearisation at the EBEs, see
@@ -294,7 +321,7 @@ class NLMEFit:
             phi.update({n: typ[n] + e[:, k] for k, n in enumerate(rn)})
             f = pk.predict(pk.individual(phi), jnp.asarray(a["obs_time"]), _doses(a),
                            a["doses_before"], binding=a.get("binding"),
-                           obs_cmt=a.get("obs_cmt"))
+                           obs_cmt=a.get("obs_cmt"), at_records=self._at_records(phi, a))
             return jnp.log(f) if log_scale else f
 
         def lin(e):  # subject i's output depends on eta_i only: one jvp per random effect
@@ -334,8 +361,8 @@ class NLMEFit:
         import pandas as pd
 
         a = self._arrays
-        pred = self._predict(self.individual_parameters("typical"), a)
-        ipred = self._predict(self.individual_parameters("mode"), a)
+        pred = self._predict(self._phi("typical"), a)
+        ipred = self._predict(self._phi("mode"), a)
         iwres = np.asarray(self.pk.error.residuals(jnp.asarray(a["dv"]), jnp.asarray(ipred),
                                                    self._error_params(),
                                                    cens=jnp.asarray(a["cens"])))
@@ -391,7 +418,8 @@ class NLMEFit:
             for k, m in enumerate(names):
                 phi[m] = typ[m] + e[:, k]
             return pk.predict(pk.individual(phi), t, doses, nb, binding=arrays["binding"],
-                              obs_cmt=arrays.get("obs_cmt"))
+                              obs_cmt=arrays.get("obs_cmt"),
+                              at_records=self._at_records(phi, arrays))
 
         f = jax.jit(jax.vmap(one))(jnp.asarray(eta, t.dtype))
         y = pk.error.sample(k_eps, f, self._error_params())
@@ -480,7 +508,7 @@ class NLMEFit:
         b = np.clip(np.searchsorted(edges, np.where(m, xv, edges[0]), side="right") - 1, 0,
                     len(edges) - 2)
         if prediction_corrected:
-            pred = self._predict(self.individual_parameters("typical"), a)
+            pred = self._predict(self._phi("typical"), a)
             med = np.array([np.median(pred[m & (b == k)]) if np.any(m & (b == k)) else 1.0
                             for k in range(len(edges) - 1)])
             corr = np.where(m, med[b] / np.where(pred > 0, pred, np.nan), np.nan)
@@ -593,8 +621,8 @@ class NLMEFit:
         G = max(len(g) for g in grids)
         grid = np.stack([np.pad(g, (0, G - len(g)), mode="edge") for g in grids]).astype(dtype)
         sub = _subset_arrays(a, idx)
-        ipred = self._predict(_take(self.individual_parameters("mode"), idx), sub, grid)
-        pred = self._predict(_take(self.individual_parameters("typical"), idx), sub, grid)
+        ipred = self._predict(_take(self._phi("mode"), idx), sub, grid)
+        pred = self._predict(_take(self._phi("typical"), idx), sub, grid)
         nrows = -(-len(idx) // ncols)
         fig, ax = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 2.6 * nrows),
                                squeeze=False)
@@ -642,6 +670,35 @@ class NLMEFit:
 
 def _take(params: dict, idx) -> dict:
     return {k: np.asarray(v)[idx] for k, v in params.items()}
+
+
+def _carry_forward(a: dict, tv_o: dict, tv_d: dict, times: np.ndarray) -> dict:
+    """Time-varying covariates at ``times`` ``(n, G)``: the value of the last record
+    (observation or dose, in record order) at or before each time (the first record's
+    before every record)."""
+    t_o = np.asarray(a["obs_time"], np.float64)
+    t_d = np.asarray(a["dose_time"], np.float64)
+    mo, md = np.asarray(a["obs_mask"], bool), np.asarray(a["dose_mask"], bool)
+    nb = np.asarray(a["doses_before"], np.int64)
+    n, T = t_o.shape
+    D = t_d.shape[1]
+    out = {c: np.zeros(times.shape, np.asarray(v).dtype) for c, v in tv_o.items()}
+    for i in range(n):
+        # record order: observation j after nb[j] doses
+        po = np.arange(T) + nb[i]
+        pd_ = np.arange(D) + np.sum(nb[i][None, :] <= np.arange(D)[:, None], axis=1)
+        E = T + D
+        rt = np.empty(E)
+        ok = np.empty(E, bool)
+        rt[po], rt[pd_] = t_o[i], t_d[i]
+        ok[po], ok[pd_] = mo[i], md[i]
+        keep = np.flatnonzero(ok)
+        r = np.clip(np.searchsorted(rt[keep], times[i], side="right") - 1, 0, None)
+        for c in tv_o:
+            v = np.empty(E, np.asarray(tv_o[c]).dtype)
+            v[po], v[pd_] = np.asarray(tv_o[c])[i], np.asarray(tv_d[c])[i]
+            out[c][i] = v[keep][r]
+    return out
 
 
 def _subset_arrays(a: dict, idx) -> dict:
