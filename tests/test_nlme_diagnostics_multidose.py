@@ -34,11 +34,13 @@ pytestmark = pytest.mark.xdist_group("nlme")
 
 TRUE = {"mu_CL": np.log(4.0), "mu_V": np.log(40.0), "mu_KA": np.log(1.5),
         "beta_CL_GLYCO": -0.6, "beta_KA_WT": 0.5, "b": 0.1}
-SAMPLES = (1.0, 2.0, 4.0, 12.0, 25.0, 26.5, 30.0, 36.0, 37.0, 40.0)
+SAMPLES = (1.0, 2.0, 4.0, 12.0, 25.0, 26.5, 30.0, 36.0, 37.0, 40.0, 403.0)
+DOSES = (0.0, 12.0, 24.0, 36.0, 400.0)
 
 
 def _table(n: int = 16, seed: int = 0, dv=None) -> pd.DataFrame:
-    """A multiple-dose oral design: a steady-state dose (II 12) at 0, doses at 12, 24, 36;
+    """A multiple-dose oral design: a steady-state dose (II 12) at 0, doses at 12, 24, 36
+    and, much later, 400 (a long history: the peaks are narrow on its time scale);
     samples at SAMPLES (the one at 12 and at 36 recorded before the dose at that time: a
     trough); GLYCO changes at 24 h (at the dose record) within each subject; WT constant."""
     rng = np.random.default_rng(seed)
@@ -47,7 +49,7 @@ def _table(n: int = 16, seed: int = 0, dv=None) -> pd.DataFrame:
         g0 = float(rng.uniform(0.6, 1.4))
         g1 = g0 + float(rng.uniform(0.4, 1.0))
         wt = float(rng.uniform(50, 90))
-        ev = [(s, 0) for s in SAMPLES] + [(d, 1) for d in (0.0, 12.0, 24.0, 36.0)]
+        ev = [(s, 0) for s in SAMPLES] + [(d, 1) for d in DOSES]
         ev.sort(key=lambda e: (e[0], e[1]))  # a sample before a dose at the same time
         for t, is_dose in ev:
             rows.append({"ID": 101 + 3 * i, "TIME": t, "DV": 0.0 if is_dose else 1.0,
@@ -433,11 +435,11 @@ def test_subjects_by_id(md_fit, tmp_path):
 
 
 def test_individual_fit_grid_resolves_the_peaks(md_fit, tmp_path):
-    """The drawn IPRED curve reaches the individual prediction's maximum (1 %): the
-    maximum over 20 000 points after each dose (the true maximum to 1e-5: the curve is
-    smooth between doses), here between samples at 26.5 and 30 h after the 24 h dose and
-    at 37 h after the 36 h one. The old 200-point even grid missed the peaks of long
-    histories."""
+    """After every dose the drawn IPRED curve reaches the individual prediction's maximum
+    on that dosing interval (1 %): the maximum over 20 000 points of the interval (the true
+    maximum to 1e-5: the curve is smooth between doses). The peaks lie between samples
+    (26.5 and 30 h after the 24 h dose, 400 and 403 h). The old 200-point even grid over
+    0-423 h (2.1 h apart) missed them by 1-10 %."""
     fit = md_fit
     pos = [0, 5]
     fig = fit.plot_individual_fits(tmp_path / "ind.png", positions=pos)
@@ -445,20 +447,22 @@ def test_individual_fit_grid_resolves_the_peaks(md_fit, tmp_path):
     for k, i in enumerate(pos):
         line = [ln for ln in fig.axes[k].get_lines() if ln.get_label() == "IPRED"][0]
         x, y = (np.asarray(v, np.float64) for v in line.get_data())
-        dense = np.concatenate([np.linspace(td, td + 12, 20_000) for td in (0, 12, 24, 36)])
         sub = {kk: np.asarray(v)[[i]] if np.ndim(v) and np.shape(v)[0] == 16 else v
                for kk, v in a.items()}
         phi = {kk: np.asarray(v)[[i]] for kk, v in fit._phi("mode").items()}
-        true = fit._predict(phi, sub, dense[None, :].astype(np.float32))[0]
-        assert y.max() == pytest.approx(true.max(), rel=0.01)
-        assert x.max() >= 40.0 and np.all(np.diff(x) >= 0)
+        for lo, hi in ((0, 12), (12, 24), (24, 36), (36, 48), (400, 420)):
+            dense = np.linspace(lo, hi, 20_000, endpoint=False)[None, :].astype(np.float32)
+            true = fit._predict_phi(phi, sub, dense)[0]
+            drawn = y[(x >= lo) & (x < hi)]
+            assert drawn.max() == pytest.approx(true.max(), rel=0.01), (lo, hi)
+        assert x.max() >= 403.0 and np.all(np.diff(x) >= 0)
 
 
 def test_default_axis_and_trend_lines(md_fit, tmp_path):
     fit = md_fit
     pr = fit.predictions()
     np.testing.assert_allclose(pr.TAD.to_numpy()[:len(SAMPLES)],
-                               [1, 2, 4, 12, 1, 2.5, 6, 12, 1, 4], atol=1e-5)
+                               [1, 2, 4, 12, 1, 2.5, 6, 12, 1, 4, 3], atol=1e-5)
     fig = fit.plot_goodness_of_fit(tmp_path / "gof.png")
     xl = [a.get_xlabel() for a in fig.axes]
     assert xl.count("time after dose") == 2 and "time" not in xl

@@ -294,7 +294,21 @@ class NLMEFit:
             {k: jnp.asarray(v) for k, v in tv_o.items()},
             {k: jnp.asarray(v) for k, v in tv_d.items()}, th, binding=b)
 
-    def _predict(self, phi: dict, arrays: dict, times=None):
+    def _predict(self, indiv: dict, arrays: dict, times=None):
+        """Predictions from natural-scale parameters ``indiv`` ``{name: (n,)}`` (see
+        :meth:`_predict_phi`)."""
+        b = arrays.get("binding")
+        if b is None or not b.time_varying:  # as given, no round trip through phi
+            return np.asarray(self.pk.predict(
+                {k: jnp.asarray(v) for k, v in indiv.items()},
+                jnp.asarray(arrays["obs_time"] if times is None else times), _doses(arrays),
+                arrays["doses_before"] if times is None else None, binding=b,
+                obs_cmt=arrays.get("obs_cmt") if times is None else None))
+        inv = {k: TRANSFORMS[self.pk.params[k].transform][1] for k in indiv}
+        return self._predict_phi({k: inv[k](jnp.asarray(v)) for k, v in indiv.items()},
+                                 arrays, times)
+
+    def _predict_phi(self, phi: dict, arrays: dict, times=None):
         """Predictions from transformed parameters ``phi`` ``{name: (n,)}`` at the
         observations, or at ``times`` ``(n, G)`` (a grid: the observed compartment)."""
         t = jnp.asarray(arrays["obs_time"] if times is None else times)
@@ -361,8 +375,8 @@ class NLMEFit:
         import pandas as pd
 
         a = self._arrays
-        pred = self._predict(self._phi("typical"), a)
-        ipred = self._predict(self._phi("mode"), a)
+        pred = self._predict_phi(self._phi("typical"), a)
+        ipred = self._predict_phi(self._phi("mode"), a)
         iwres = np.asarray(self.pk.error.residuals(jnp.asarray(a["dv"]), jnp.asarray(ipred),
                                                    self._error_params(),
                                                    cens=jnp.asarray(a["cens"])))
@@ -508,7 +522,7 @@ class NLMEFit:
         b = np.clip(np.searchsorted(edges, np.where(m, xv, edges[0]), side="right") - 1, 0,
                     len(edges) - 2)
         if prediction_corrected:
-            pred = self._predict(self._phi("typical"), a)
+            pred = self._predict_phi(self._phi("typical"), a)
             med = np.array([np.median(pred[m & (b == k)]) if np.any(m & (b == k)) else 1.0
                             for k in range(len(edges) - 1)])
             corr = np.where(m, med[b] / np.where(pred > 0, pred, np.nan), np.nan)
@@ -621,8 +635,8 @@ class NLMEFit:
         G = max(len(g) for g in grids)
         grid = np.stack([np.pad(g, (0, G - len(g)), mode="edge") for g in grids]).astype(dtype)
         sub = _subset_arrays(a, idx)
-        ipred = self._predict(_take(self._phi("mode"), idx), sub, grid)
-        pred = self._predict(_take(self._phi("typical"), idx), sub, grid)
+        ipred = self._predict_phi(_take(self._phi("mode"), idx), sub, grid)
+        pred = self._predict_phi(_take(self._phi("typical"), idx), sub, grid)
         nrows = -(-len(idx) // ncols)
         fig, ax = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 2.6 * nrows),
                                squeeze=False)
