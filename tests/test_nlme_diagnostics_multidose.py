@@ -288,7 +288,8 @@ def _ode_piecewise(n, absorption, t_obs, doses, p_at):
     return out
 
 
-@pytest.mark.parametrize("n,absorption", [(1, "first_order"), (2, None)])
+@pytest.mark.parametrize("n,absorption", [(1, "first_order"),
+                                          pytest.param(2, None, marks=pytest.mark.slow)])
 def test_piecewise_parameters_against_an_ode_solution(n, absorption):
     """Parameters changing at the records (CL, V and KA differ at every record: the
     interval after record k uses those of k; an observation the V in force at it):
