@@ -180,7 +180,7 @@ def test_predictions_and_simulation(phenobarb_fit, tmp_path):
     assert set(vpc["quantile"]) == {0.05, 0.5, 0.95}
     assert np.mean((vpc.observed >= vpc.sim_lo) & (vpc.observed <= vpc.sim_hi)) > 0.6
     fit.plot_goodness_of_fit(tmp_path / "gof.png")
-    fit.plot_individual_fits(tmp_path / "ind.png", subjects=range(4))
+    fit.plot_individual_fits(tmp_path / "ind.png", subjects=fit.data.ids[:4])
     fit.plot_vpc(jax.random.key(5), tmp_path / "vpc.png", num_sims=50,
                  prediction_corrected=True)
     for f in ("gof.png", "ind.png", "vpc.png"):

@@ -23,9 +23,10 @@ from numpyro_fed.nlme.data import (
     Observations,
     PKDataset,
     load_phenobarb,
+    load_quinidine,
     load_theophylline,
 )
-from numpyro_fed.nlme.diagnostics import NLMEFit
+from numpyro_fed.nlme.diagnostics import NLMEFit, lowess, time_after_dose
 from numpyro_fed.nlme.error import CensoredLogNormal, CensoredNormal, ErrorModel
 from numpyro_fed.nlme.model import Binding, Param, PKModel
 from numpyro_fed.nlme.pk import (
@@ -48,10 +49,13 @@ __all__ = [
     "Param",
     "compartment_model",
     "load_phenobarb",
+    "load_quinidine",
     "load_theophylline",
+    "lowess",
     "ode_model",
     "one_compartment",
     "three_compartment",
+    "time_after_dose",
     "two_compartment",
 ]
 

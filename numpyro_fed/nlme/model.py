@@ -112,6 +112,11 @@ class Binding:
         (the predictions then follow the record order).
     :ivar obs_cmt: whether an observation names a compartment other than the observed one
         (the model then passes each observation's compartment to the structural model).
+    :ivar time_varying: the covariates of the model that change within a subject in these
+        data (their values in force at each record are used, see
+        :mod:`numpyro_fed.nlme.timevarying`).
+    :ivar tv_infusions: with ``time_varying``: whether a dose is an infusion.
+    :ivar tv_steady_state: with ``time_varying``: whether a dose is at steady state.
     :ivar data: the dataset (not compared; for the messages naming its rows).
     """
 
@@ -120,6 +125,9 @@ class Binding:
     structural: Any
     record_order: bool
     obs_cmt: bool = False
+    time_varying: tuple = ()
+    tv_infusions: bool = False
+    tv_steady_state: bool = False
     data: Any = field(default=None, compare=False, repr=False)
 
 
@@ -190,6 +198,25 @@ def _check_obs_cmt(structural: Any, data: PKDataset) -> bool:
             "one), or write the system with nlme.ode_model (it predicts the amount of every "
             "compartment).")
     return bool(np.any(named & (cm != observed)))
+
+
+def _check_time_varying(pk: PKModel, data: PKDataset, tv: tuple) -> None:
+    """Refuse time-varying covariates where they cannot be honoured: a structural model
+    other than the closed-form compartment models, or a lag time."""
+    from numpyro_fed.nlme.pk import CompartmentModel
+
+    if not isinstance(pk.structural, CompartmentModel):
+        raise ValueError(
+            f"covariate(s) {list(tv)} vary with time within subjects; only the compartment "
+            "models (nlme.compartment_model and its one_/two_/three_compartment) take "
+            "parameters that change over time (advanced record by record, "
+            f"numpyro_fed.nlme.timevarying), not {pk.structural!r}. Use a compartment model, "
+            "or a time-constant summary of the covariate (e.g. its baseline) as a new column.")
+    if "TLAG" in pk.params:
+        raise ValueError(
+            f"covariate(s) {list(tv)} vary with time within subjects, which a model with a lag "
+            "time TLAG does not support (the lagged doses would interleave with the records):"
+            " drop TLAG, or use a time-constant summary of the covariate.")
 
 
 def _max_text(big: float) -> str:
@@ -410,17 +437,22 @@ class PKModel:
                 f"data has {data.n_subjects} subject(s) and {data.n_obs} observation(s): a "
                 "population model needs at least one subject with an observation.")
         refs, levels = dict(self._references), dict(self._levels)
+        tv = tuple(c for c in self.covariate_names
+                   if c in data.time_varying and c not in data.covariates)
+        if tv:
+            _check_time_varying(self, data, tv)
         for c in self.covariate_names:
-            if c in data.time_varying and c not in data.covariates:
-                raise ValueError(
-                    f"covariate {c!r} varies with time within subjects; the analytic models "
-                    "take constant individual parameters. Use a time-constant summary (e.g. "
-                    "the baseline value) as a new column, or write the model by hand.")
-            if c not in data.covariates:
+            if c not in data.covariates and c not in tv:
                 raise ValueError(f"covariate {c!r} is not in the data (covariates: "
-                                 f"{sorted(data.covariates)}).")
+                                 f"{sorted([*data.covariates, *data.time_varying])}).")
             kinds = {p.covariates[c] for p in self.params.values() if c in p.covariates}
-            x = np.asarray(data.covariates[c], np.float64)
+            if c in tv:  # its values at every real observation and dose
+                x = np.concatenate([
+                    np.asarray(data.time_varying[c], np.float64)[np.asarray(data.obs.mask)],
+                    np.asarray(data.dose_time_varying[c], np.float64)[
+                        np.asarray(data.doses.mask)]])
+            else:
+                x = np.asarray(data.covariates[c], np.float64)
             if "categorical" in kinds:
                 if len(kinds) > 1:
                     raise ValueError(f"covariate {c!r} is categorical for one parameter and "
@@ -431,8 +463,9 @@ class PKModel:
                     levels[c] = n_lev
                 elif np.any(x >= levels[c]):
                     i = int(np.flatnonzero(x >= levels[c])[0])
+                    who = (f"subject {_py(data.ids[i])!r}" if c not in tv else "a record")
                     raise ValueError(
-                        f"covariate {c!r} of subject {_py(data.ids[i])!r} has the level code "
+                        f"covariate {c!r} of {who} has the level code "
                         f"{int(x[i])}, beyond the {levels[c]} levels of the data this model "
                         "is bound to: its effect was not estimated. Recode the covariate as "
                         "in those data.")
@@ -444,9 +477,10 @@ class PKModel:
                     refs[c] = float(np.median(x))
                 if "power" in kinds and np.any(x <= 0):
                     i = int(np.flatnonzero(x <= 0)[0])
-                    raise ValueError(f"covariate {c!r} is {x[i]:g} <= 0 for subject "
-                                     f"{_py(data.ids[i])!r}: a power effect needs positive "
-                                     "values (use 'linear').")
+                    who = (f"subject {_py(data.ids[i])!r}" if c not in tv else
+                           "a record")
+                    raise ValueError(f"covariate {c!r} is {x[i]:g} <= 0 for {who}: a power "
+                                     "effect needs positive values (use 'linear').")
         o, d = data.obs, data.doses
         _check_float32(data, self.covariate_names)
         general = self.structural
@@ -472,9 +506,13 @@ class PKModel:
         at_or_before = np.sum(d.mask[:, None, :] & (d.time[:, None, :] <= o.time[:, :, None]),
                               -1)
         predose = bool(np.any(o.mask & (np.asarray(data.doses_before) < at_or_before)))
+        rm = np.asarray(d.mask, bool)
         return Binding(references=tuple(sorted(refs.items())),
                        levels=tuple(sorted(levels.items())), structural=structural,
-                       record_order=predose, obs_cmt=obs_cmt, data=data)
+                       record_order=predose, obs_cmt=obs_cmt, time_varying=tv,
+                       tv_infusions=bool(tv) and bool(np.any(rm & (np.asarray(d.rate) > 0))),
+                       tv_steady_state=bool(tv) and bool(np.any(rm & np.asarray(d.ss, bool))),
+                       data=data)
 
     def arrays(self, data: PKDataset) -> dict[str, Any]:
         """The keyword arguments of :meth:`model` for ``data``: padded subject arrays, and
@@ -505,7 +543,11 @@ class PKModel:
         if b.obs_cmt:  # only then: the arguments of data without it are unchanged
             out["obs_cmt"] = np.asarray(o.cmt, np.int32)
         for c in self.covariate_names:
-            out[f"cov_{c}"] = np.asarray(data.covariates[c])
+            if c in b.time_varying:  # the values in force at each observation and dose
+                out[f"tvo_{c}"] = np.asarray(data.time_varying[c])
+                out[f"tvd_{c}"] = np.asarray(data.dose_time_varying[c])
+            else:
+                out[f"cov_{c}"] = np.asarray(data.covariates[c])
         out["binding"] = b
         return out
 
@@ -520,11 +562,18 @@ class PKModel:
 
     # ------------------------------------------------------------------ params
     def _covariate_terms(self, name: str, covs: dict, b: Binding | None = None):
-        """``[(param site name, design (n,))]`` of the covariate effects of ``name``."""
+        """``[(param site name, design (n,))]`` of the covariate effects of ``name`` (those
+        of time-constant covariates; with ``time_varying=True`` those of the time-varying
+        ones of ``b``, each design of the shape of ``covs[c]``)."""
+        return self._terms(name, covs, b, time_varying=False)
+
+    def _terms(self, name: str, covs: dict, b: Binding | None, *, time_varying: bool):
         b = self._default_binding() if b is None else b
         refs, levels = dict(b.references), dict(b.levels)
         out = []
         for c, kind in self.params[name].covariates.items():
+            if (c in b.time_varying) != time_varying:
+                continue
             if (c not in levels) if kind == "categorical" else (c not in refs):
                 what = "levels are" if kind == "categorical" else "reference is"
                 raise ValueError(
@@ -555,12 +604,41 @@ class PKModel:
             loc = loc + get(site, 0.0) * x
         return loc
 
+    def time_varying_offset(self, name: str, tv: dict, theta: dict | None = None, *,
+                            binding: Binding | None = None):
+        """The part of the transformed parameter ``name`` due to time-varying covariates,
+        ``sum_c beta_c x_c(t)``, at the records whose covariate values ``tv`` holds
+        (``{covariate: (n, K)}``); 0 when ``name`` has none. ``theta``: estimates (default:
+        declares the param sites)."""
+        get = ((lambda n, v: numpyro.param(n, jnp.asarray(v, jnp.float32)))
+               if theta is None else (lambda n, v: jnp.asarray(theta[n])))
+        out = 0.0
+        for site, x in self._terms(name, tv, binding, time_varying=True):
+            out = out + get(site, 0.0) * x
+        return out
+
+    def record_parameters(self, phi: dict, tv_obs: dict, tv_dose: dict,
+                          theta: dict | None = None, *, binding: Binding | None = None):
+        """Natural-scale parameters in force at every observation and dose record:
+        ``phi`` ``{name: (n,)}`` (transformed, time-varying covariates at their reference)
+        plus :meth:`time_varying_offset`; ``tv_obs`` / ``tv_dose``: the time-varying
+        covariates at the observations ``(n, T)`` and doses ``(n, D)``.
+
+        :return: ``({name: (n, T)}, {name: (n, D)})``.
+        """
+        po, pd_ = {}, {}
+        for nm, v in phi.items():
+            v = jnp.asarray(v)[:, None]
+            po[nm] = v + self.time_varying_offset(nm, tv_obs, theta, binding=binding)
+            pd_[nm] = v + self.time_varying_offset(nm, tv_dose, theta, binding=binding)
+        return self.individual(po), self.individual(pd_)
+
     def individual(self, phi: dict):
         """Natural-scale individual parameters from their transformed values."""
         return {n: TRANSFORMS[self.params[n].transform][0](v) for n, v in phi.items()}
 
     def predict(self, indiv: dict, obs_time, doses: Doses, doses_before=None, *,
-                binding: Binding | None = None, obs_cmt=None):
+                binding: Binding | None = None, obs_cmt=None, at_records=None):
         """Structural predictions ``(n, T)`` for individual parameters ``{name: (n,)}``.
 
         With ``doses_before`` ``(n, T)`` (and data that need it, ``binding.record_order``):
@@ -570,8 +648,33 @@ class PKModel:
         specialised to the data's dosing routes; default: this model's own binding if it is
         bound, else the general structural model. ``obs_cmt`` ``(n, T)`` (``arrays(data)``
         has it when an observation names a compartment other than the observed one): each
-        observation is predicted in the compartment it names (0: the observed one)."""
+        observation is predicted in the compartment it names (0: the observed one).
+
+        With time-varying covariates (``binding.time_varying``), ``at_records`` (from
+        :meth:`record_parameters`) gives the parameters in force at each observation and
+        dose, and ``indiv`` is not used: the amounts are advanced from record to record
+        (:func:`~numpyro_fed.nlme.timevarying.predict_piecewise`)."""
         b = self._default_binding(doses_before) if binding is None else binding
+        if b.time_varying:
+            from numpyro_fed.nlme.timevarying import predict_piecewise
+
+            if at_records is None:
+                raise ValueError(
+                    f"the covariates {list(b.time_varying)} vary with time: pass at_records="
+                    "pk.record_parameters(phi, tv_obs, tv_dose) (the parameters in force at "
+                    "each record).")
+            po, pd_ = at_records
+            nb = () if doses_before is None else (jnp.asarray(doses_before),)
+            cm = () if obs_cmt is None else (jnp.asarray(obs_cmt),)
+
+            def one(p_o, p_d, t, d, *rest):
+                nbi = rest[0] if doses_before is not None else None
+                ci = rest[-1] if obs_cmt is not None else None
+                return predict_piecewise(b.structural, p_o, p_d, t, d, nbi, ci,
+                                         infusions=b.tv_infusions,
+                                         steady_state=b.tv_steady_state)
+
+            return jax.vmap(one)(po, pd_, jnp.asarray(obs_time), doses, *nb, *cm)
         structural = b.structural
         if obs_cmt is None:
             call = structural
@@ -604,6 +707,8 @@ class PKModel:
             raise ValueError("the data have no subject: a population model needs at least "
                              "one (obs_time has shape (0, ...)).")
         b = self._default_binding(doses_before) if binding is None else binding
+        tv_o = {k[4:]: v for k, v in covs.items() if k.startswith("tvo_")}
+        tv_d = {k[4:]: v for k, v in covs.items() if k.startswith("tvd_")}
         covs = {k[4:]: v for k, v in covs.items() if k.startswith("cov_")}
         doses = Doses(dose_time, dose_amt, dose_rate, dose_cmt, dose_ss, dose_ii, dose_mask)
         if obs_mask is None:
@@ -631,8 +736,10 @@ class PKModel:
             for nm in self.names:
                 if nm not in phi:
                     phi[nm] = locs[nm]
+            at = (self.record_parameters(phi, tv_o, tv_d, binding=b) if b.time_varying
+                  else None)
             f = self.predict(self.individual(phi), obs_time, doses, doses_before, binding=b,
-                             obs_cmt=obs_cmt)
+                             obs_cmt=obs_cmt, at_records=at)
             try:
                 d = self.error.dist(f, errp, cens=cens, lloq=lloq)
             except ValueError:
