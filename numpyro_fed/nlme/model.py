@@ -60,6 +60,11 @@ from numpyro.distributions import constraints
 from numpyro_fed.nlme.data import Doses, PKDataset
 from numpyro_fed.nlme.diagnostics import NLMEFit
 from numpyro_fed.nlme.error import ErrorModel
+from numpyro_fed.nlme.superposition import (
+    predict_pairs,
+    superposition_pairs,
+    supports_superposition,
+)
 from numpyro_fed.nlme.transforms import TRANSFORMS
 from numpyro_fed.saem import SAEM
 
@@ -504,6 +509,11 @@ class PKModel:
         }
         if b.obs_cmt:  # only then: the arguments of data without it are unchanged
             out["obs_cmt"] = np.asarray(o.cmt, np.int32)
+        if supports_superposition(b.structural):
+            # the (sample, dose) pairs that can contribute (see nlme.superposition)
+            # (padding samples, masked in the likelihood, are predicted 0)
+            out["pairs"] = superposition_pairs(
+                o.time, d, data.doses_before if b.record_order else None, o.mask)
         for c in self.covariate_names:
             out[f"cov_{c}"] = np.asarray(data.covariates[c])
         out["binding"] = b
@@ -560,7 +570,7 @@ class PKModel:
         return {n: TRANSFORMS[self.params[n].transform][0](v) for n, v in phi.items()}
 
     def predict(self, indiv: dict, obs_time, doses: Doses, doses_before=None, *,
-                binding: Binding | None = None, obs_cmt=None):
+                binding: Binding | None = None, obs_cmt=None, pairs=None):
         """Structural predictions ``(n, T)`` for individual parameters ``{name: (n,)}``.
 
         With ``doses_before`` ``(n, T)`` (and data that need it, ``binding.record_order``):
@@ -570,9 +580,22 @@ class PKModel:
         specialised to the data's dosing routes; default: this model's own binding if it is
         bound, else the general structural model. ``obs_cmt`` ``(n, T)`` (``arrays(data)``
         has it when an observation names a compartment other than the observed one): each
-        observation is predicted in the compartment it names (0: the observed one)."""
+        observation is predicted in the compartment it names (0: the observed one).
+
+        A structural model linear in its doses (``superposition``, the closed forms) is
+        evaluated only on the (sample, dose) pairs that can contribute
+        (:mod:`~numpyro_fed.nlme.superposition`): ``pairs`` (``arrays(data)["pairs"]``), or
+        computed here when the times and doses are concrete arrays."""
         b = self._default_binding(doses_before) if binding is None else binding
         structural = b.structural
+        record = doses_before is not None and b.record_order
+        if supports_superposition(structural):
+            if pairs is None and not any(
+                    isinstance(x, jax.core.Tracer)
+                    for x in jax.tree.leaves((obs_time, tuple(doses), doses_before))):
+                pairs = superposition_pairs(obs_time, doses, doses_before if record else None)
+            if pairs is not None:
+                return predict_pairs(structural, indiv, obs_time, doses, pairs, obs_cmt)
         if obs_cmt is None:
             call = structural
         else:
@@ -596,7 +619,7 @@ class PKModel:
     # ------------------------------------------------------------------ model
     def model(self, obs_time, dv=None, obs_mask=None, cens=None, lloq=None, *, dose_time,
               dose_amt, dose_rate, dose_cmt, dose_ss, dose_ii, dose_mask, doses_before=None,
-              obs_cmt=None, binding: Binding | None = None, **covs):
+              obs_cmt=None, pairs=None, binding: Binding | None = None, **covs):
         """The NumPyro model (keyword arguments: :meth:`arrays`, ``binding`` included);
         ``dv=None`` simulates."""
         n, T = obs_time.shape
@@ -632,7 +655,7 @@ class PKModel:
                 if nm not in phi:
                     phi[nm] = locs[nm]
             f = self.predict(self.individual(phi), obs_time, doses, doses_before, binding=b,
-                             obs_cmt=obs_cmt)
+                             obs_cmt=obs_cmt, pairs=pairs)
             try:
                 d = self.error.dist(f, errp, cens=cens, lloq=lloq)
             except ValueError:
