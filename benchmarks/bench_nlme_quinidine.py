@@ -22,8 +22,9 @@ tables (nothing is written).
   step of the E-step is one; an iteration runs 4 per chain, plus the curvature products of
   the same cost) -- on simulated data (oral doses every 12 h, the first at steady state,
   4 samples per subject after the last dose), for 10 to 1000 subjects and 1 to 100 doses per
-  subject (every dose before every sample: 4 n x nd pairs), compiled ahead of time, timed inside a compiled loop; the exponents are the
-  slopes of log time against log subjects and log doses (least squares).
+  subject (every dose before every sample: 4 n x nd pairs), compiled ahead of time, timed
+  inside a compiled loop; the exponents are the slopes of log time against log subjects
+  and log doses (least squares).
 
 ``--quick`` runs a short schedule (60 iterations, 50 draws) and 500 importance samples, for
 a smoke test; its times are not the targets'.

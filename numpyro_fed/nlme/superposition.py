@@ -101,17 +101,26 @@ def predict_pairs(structural: Any, indiv: dict, obs_time: Any, doses: Any, pairs
     obs_time = jnp.asarray(obs_time)
     n, T = obs_time.shape
     pairs = jnp.asarray(pairs)
-    s, j, k, on = pairs[:, 0], pairs[:, 1], pairs[:, 2], pairs[:, 3] > 0
-    p = {nm: jnp.broadcast_to(jnp.asarray(v), (n,))[s] for nm, v in indiv.items()}
-    t = obs_time[s, j][:, None]
-    d = Doses(**{f: jnp.asarray(getattr(doses, f))[s, k][:, None] for f in _FIELDS})
+    s, on = pairs[:, 0], pairs[:, 3] > 0
+    o = s * T + pairs[:, 1]  # flat sample index
+    # 1-d gathers with explicit clipping (in range anyway) and a clipped segment sum
+    take = lambda x, i: jnp.take(jnp.reshape(x, (-1,)), i, mode="clip")  # noqa: E731
+    D = jnp.shape(doses.time)[-1]
+    q = s * D + pairs[:, 2]  # flat dose index
+    p = {nm: take(jnp.broadcast_to(jnp.asarray(v), (n,)), s) for nm, v in indiv.items()}
+    # each pair is evaluated as one dose and the sample twice, (T, D) = (2, 1): the same
+    # values, and a (1, 1) program crashed XLA:CPU (segmentation fault, jaxlib 0.10.2) in the
+    # batched Hessians of the standard errors
+    t = jnp.repeat(take(obs_time, o)[:, None], 2, axis=1)
+    d = Doses(**{f: take(jnp.asarray(getattr(doses, f)), q)[:, None] for f in _FIELDS})
     d = d._replace(mask=d.mask.astype(bool) & on[:, None])
     if obs_cmt is None:
         v = jax.vmap(lambda pp, tt, dd: structural(pp, tt, dd)[0])(p, t, d)
     else:
-        c = jnp.asarray(obs_cmt)[s, j][:, None]
+        c = jnp.repeat(take(jnp.asarray(obs_cmt), o)[:, None], 2, axis=1)
         v = jax.vmap(lambda pp, tt, dd, cc: structural(pp, tt, dd, cmt=cc)[0])(p, t, d, c)
-    out = jax.ops.segment_sum(v, s * T + j, num_segments=n * T).reshape(n, T)
+    out = jax.ops.segment_sum(v, o, num_segments=n * T, indices_are_sorted=True,
+                              mode=jax.lax.GatherScatterMode.CLIP).reshape(n, T)
     poison = getattr(structural, "_poison", None)
     if poison is not None:
         def bad(dd):
