@@ -216,7 +216,7 @@ def scaling_table(quick: bool) -> str:
     pk = _model()
     subjects = [10, 100] if quick else [10, 100, 1000]
     ndoses = [1, 10] if quick else [1, 10, 100]
-    loop = 20
+    loop = 5
     rows, grid = [], {}
     for n in subjects:
         for nd in ndoses:
