@@ -147,3 +147,29 @@ def test_model_log_density_and_gradient_unchanged():
         np.testing.assert_allclose(l1, l0, rtol=1e-12)
         for k in vals:
             np.testing.assert_allclose(g1[k], g0[k], rtol=1e-9, atol=1e-9)
+
+
+def test_predict_on_concrete_data_uses_pairs_and_equals_the_dense_path():
+    """``PKModel.predict`` (the diagnostics' path) lists the pairs itself when the times and
+    doses are concrete; inside ``jit`` (traced data) it evaluates densely: the same values,
+    padding included (Phenobarb; float64)."""
+    from numpyro_fed.nlme.data import Doses as D
+
+    with jax.enable_x64(True):
+        data = nlme.load_phenobarb(np.float64)
+        pk = nlme.PKModel(nlme.one_compartment(None),
+                          params={"CL": nlme.Param(0.005), "V": nlme.Param(1.0)})
+        a = pk.arrays(data)
+        n = data.n_subjects
+        indiv = {"CL": jnp.full(n, 0.005) * jnp.exp(0.1 * jnp.arange(n) / n),
+                 "V": jnp.full(n, 1.0)}
+        doses = D(*(jnp.asarray(a[k]) for k in ("dose_time", "dose_amt", "dose_rate",
+                                                 "dose_cmt", "dose_ss", "dose_ii",
+                                                 "dose_mask")))
+        t, nb = jnp.asarray(a["obs_time"]), jnp.asarray(a["doses_before"])
+        concrete = pk.predict(indiv, t, doses, nb, binding=a["binding"])
+        traced = jax.jit(lambda t, d, nb: pk.predict(indiv, t, d, nb, binding=a["binding"]))(
+            t, doses, nb)
+        assert np.abs(traced).max() > 0
+        np.testing.assert_allclose(concrete, traced, rtol=1e-10,
+                                   atol=1e-12 * float(np.abs(traced).max()))
