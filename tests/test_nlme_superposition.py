@@ -151,8 +151,8 @@ def test_model_log_density_and_gradient_unchanged():
 
 def test_predict_on_concrete_data_uses_pairs_and_equals_the_dense_path():
     """``PKModel.predict`` (the diagnostics' path) lists the pairs itself when the times and
-    doses are concrete; inside ``jit`` (traced data) it evaluates densely: the same values,
-    padding included (Phenobarb; float64)."""
+    doses are concrete; inside ``jit`` (traced data) it evaluates densely: the same values
+    (Phenobarb; float64)."""
     from numpyro_fed.nlme.data import Doses as D
 
     with jax.enable_x64(True):
@@ -171,5 +171,14 @@ def test_predict_on_concrete_data_uses_pairs_and_equals_the_dense_path():
         traced = jax.jit(lambda t, d, nb: pk.predict(indiv, t, d, nb, binding=a["binding"]))(
             t, doses, nb)
         assert np.abs(traced).max() > 0
-        np.testing.assert_allclose(concrete, traced, rtol=1e-10,
+        m = data.obs.mask
+        np.testing.assert_allclose(np.asarray(concrete)[m], np.asarray(traced)[m], rtol=1e-10,
                                    atol=1e-12 * float(np.abs(traced).max()))
+        # the padding samples of the bound data are not evaluated (0)
+        assert (~m).any() and np.all(np.asarray(concrete)[~m] == 0.0)
+        # other times (no padding known): every entry, as the dense path
+        t2 = t + 0.5
+        c2 = pk.predict(indiv, t2, doses, nb, binding=a["binding"])
+        d2 = jax.jit(lambda t, d, nb: pk.predict(indiv, t, d, nb, binding=a["binding"]))(
+            t2, doses, nb)
+        np.testing.assert_allclose(c2, d2, rtol=1e-10, atol=1e-12 * float(np.abs(d2).max()))

@@ -585,7 +585,8 @@ class PKModel:
         A structural model linear in its doses (``superposition``, the closed forms) is
         evaluated only on the (sample, dose) pairs that can contribute
         (:mod:`~numpyro_fed.nlme.superposition`): ``pairs`` (``arrays(data)["pairs"]``), or
-        computed here when the times and doses are concrete arrays."""
+        computed here when the times and doses are concrete arrays (then the padding samples
+        of the data of ``binding``, if these are its times, are predicted 0)."""
         b = self._default_binding(doses_before) if binding is None else binding
         structural = b.structural
         record = doses_before is not None and b.record_order
@@ -593,7 +594,14 @@ class PKModel:
             if pairs is None and not any(
                     isinstance(x, jax.core.Tracer)
                     for x in jax.tree.leaves((obs_time, tuple(doses), doses_before))):
-                pairs = superposition_pairs(obs_time, doses, doses_before if record else None)
+                # the samples of the bound data's padding (the same times) are not listed:
+                # predicted 0 there (masked in every use), at a fraction of the cost
+                mask = None
+                if b.data is not None and np.shape(obs_time) == b.data.obs.time.shape and \
+                        np.array_equal(np.asarray(obs_time), b.data.obs.time):
+                    mask = b.data.obs.mask
+                pairs = superposition_pairs(obs_time, doses, doses_before if record else None,
+                                            mask)
             if pairs is not None:
                 return predict_pairs(structural, indiv, obs_time, doses, pairs, obs_cmt)
         if obs_cmt is None:
