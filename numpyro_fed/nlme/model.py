@@ -60,6 +60,11 @@ from numpyro.distributions import constraints
 from numpyro_fed.nlme.data import Doses, PKDataset
 from numpyro_fed.nlme.diagnostics import NLMEFit
 from numpyro_fed.nlme.error import ErrorModel
+from numpyro_fed.nlme.superposition import (
+    predict_pairs,
+    superposition_pairs,
+    supports_superposition,
+)
 from numpyro_fed.nlme.transforms import TRANSFORMS
 from numpyro_fed.saem import SAEM
 
@@ -542,6 +547,11 @@ class PKModel:
         }
         if b.obs_cmt:  # only then: the arguments of data without it are unchanged
             out["obs_cmt"] = np.asarray(o.cmt, np.int32)
+        if supports_superposition(b.structural):
+            # the (sample, dose) pairs that can contribute (see nlme.superposition)
+            # (padding samples, masked in the likelihood, are predicted 0)
+            out["pairs"] = superposition_pairs(
+                o.time, d, data.doses_before if b.record_order else None, o.mask)
         for c in self.covariate_names:
             if c in b.time_varying:  # the values in force at each observation and dose
                 out[f"tvo_{c}"] = np.asarray(data.time_varying[c])
@@ -638,7 +648,7 @@ class PKModel:
         return {n: TRANSFORMS[self.params[n].transform][0](v) for n, v in phi.items()}
 
     def predict(self, indiv: dict, obs_time, doses: Doses, doses_before=None, *,
-                binding: Binding | None = None, obs_cmt=None, at_records=None):
+                binding: Binding | None = None, obs_cmt=None, at_records=None, pairs=None):
         """Structural predictions ``(n, T)`` for individual parameters ``{name: (n,)}``.
 
         With ``doses_before`` ``(n, T)`` (and data that need it, ``binding.record_order``):
@@ -653,7 +663,13 @@ class PKModel:
         With time-varying covariates (``binding.time_varying``), ``at_records`` (from
         :meth:`record_parameters`) gives the parameters in force at each observation and
         dose, and ``indiv`` is not used: the amounts are advanced from record to record
-        (:func:`~numpyro_fed.nlme.timevarying.predict_piecewise`)."""
+        (:func:`~numpyro_fed.nlme.timevarying.predict_piecewise`).
+
+        A structural model linear in its doses (``superposition``, the closed forms) is
+        evaluated only on the (sample, dose) pairs that can contribute
+        (:mod:`~numpyro_fed.nlme.superposition`): ``pairs`` (``arrays(data)["pairs"]``), or
+        computed here when the times and doses are concrete arrays (then the padding samples
+        of the data of ``binding``, if these are its times, are predicted 0)."""
         b = self._default_binding(doses_before) if binding is None else binding
         if b.time_varying:
             from numpyro_fed.nlme.timevarying import predict_piecewise
@@ -676,6 +692,21 @@ class PKModel:
 
             return jax.vmap(one)(po, pd_, jnp.asarray(obs_time), doses, *nb, *cm)
         structural = b.structural
+        record = doses_before is not None and b.record_order
+        if supports_superposition(structural):
+            if pairs is None and not any(
+                    isinstance(x, jax.core.Tracer)
+                    for x in jax.tree.leaves((obs_time, tuple(doses), doses_before))):
+                # the samples of the bound data's padding (the same times) are not listed:
+                # predicted 0 there (masked in every use), at a fraction of the cost
+                mask = None
+                if b.data is not None and np.shape(obs_time) == b.data.obs.time.shape and \
+                        np.array_equal(np.asarray(obs_time), b.data.obs.time):
+                    mask = b.data.obs.mask
+                pairs = superposition_pairs(obs_time, doses, doses_before if record else None,
+                                            mask)
+            if pairs is not None:
+                return predict_pairs(structural, indiv, obs_time, doses, pairs, obs_cmt)
         if obs_cmt is None:
             call = structural
         else:
@@ -699,7 +730,7 @@ class PKModel:
     # ------------------------------------------------------------------ model
     def model(self, obs_time, dv=None, obs_mask=None, cens=None, lloq=None, *, dose_time,
               dose_amt, dose_rate, dose_cmt, dose_ss, dose_ii, dose_mask, doses_before=None,
-              obs_cmt=None, binding: Binding | None = None, **covs):
+              obs_cmt=None, pairs=None, binding: Binding | None = None, **covs):
         """The NumPyro model (keyword arguments: :meth:`arrays`, ``binding`` included);
         ``dv=None`` simulates."""
         n, T = obs_time.shape
@@ -739,7 +770,7 @@ class PKModel:
             at = (self.record_parameters(phi, tv_o, tv_d, binding=b) if b.time_varying
                   else None)
             f = self.predict(self.individual(phi), obs_time, doses, doses_before, binding=b,
-                             obs_cmt=obs_cmt, at_records=at)
+                             obs_cmt=obs_cmt, at_records=at, pairs=pairs)
             try:
                 d = self.error.dist(f, errp, cens=cens, lloq=lloq)
             except ValueError:

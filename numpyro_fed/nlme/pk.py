@@ -604,6 +604,10 @@ class CompartmentModel(StructuralModel):
         model).
     """
 
+    #: linear in the doses: the prediction is the sum of the responses to each dose alone
+    #: (with the steady-state resets; :mod:`numpyro_fed.nlme.superposition`)
+    superposition = True
+
     def __init__(self, n_compartments: int = 1, absorption: str | None = "first_order") -> None:
         """:param n_compartments: 1, 2 or 3 disposition compartments.
         :param absorption: ``"first_order"`` (a depot, compartment 1, with rate ``KA``) or

@@ -301,9 +301,11 @@ class SAEMResult:
                         return g[0], H[0]
 
                     # batches of B draws, B a divisor of the number of draws (one copy of
-                    # the Hessian in the program: lax.map compiles a remainder separately)
+                    # the Hessian in the program: lax.map compiles a remainder separately),
+                    # at most 32: the memory of a batch is B forward-over-reverse passes of
+                    # the whole model (256 took 10 GB on nlme::Quinidine, densely evaluated)
                     S = zs.shape[0]
-                    B = max(b for b in range(1, min(S, 256) + 1) if S % b == 0)
+                    B = max(b for b in range(1, min(S, 32) + 1) if S % b == 0)
                     return jax.lax.map(one, zs, batch_size=B)
 
                 return f
