@@ -24,7 +24,7 @@ from numpyro_fed.saem.model import (
 from numpyro_fed.saem.mstep import VARIANCE_FLOOR
 
 __all__ = ["SAEMResult", "ConvergenceWarning", "SingularFitWarning", "StandardErrors",
-           "boundary_collapse", "singular_coords"]
+           "boundary_collapse", "singular_coords", "missing_ratio"]
 
 
 class ConvergenceWarning(UserWarning):
@@ -234,6 +234,33 @@ def boundary_advice(b: dict) -> str:
             "are not regular")
 
 
+#: largest relative Monte Carlo error of a standard error, estimated from the Louis
+#: information's missing part (:func:`missing_ratio`), before :meth:`SAEMResult.
+#: standard_errors` warns that it is uncertain
+SE_MC_REL = 0.1
+
+
+def missing_ratio(obs: np.ndarray, miss: np.ndarray) -> np.ndarray:
+    r"""Per coordinate of theta (unconstrained), how many times its variance
+    :math:`(I_{obs}^{-1})_{kk}` its part from the missing information is,
+    :math:`r_k = (I_{obs}^{-1} I_{miss} I_{obs}^{-1})_{kk} / (I_{obs}^{-1})_{kk}`: the Louis
+    estimate :math:`I_{obs} = I_{complete} - I_{miss}` carries the Monte Carlo error of
+    :math:`I_{miss}` (relative ~ :math:`\sqrt{2/S}` from S draws) multiplied by :math:`r_k`
+    into the variance of coordinate k, so its standard error has a relative error of about
+    :math:`r_k / \sqrt{2S}`. NaN where :math:`I_{obs}` is not invertible.
+
+    Measured (SE ours / exact, 400 draws): Orthodont's slope variance, r = 14-22: SE ratios
+    0.47-0.79 on seeds 0-1 (0.88-1.19 with 4000 draws); Dyestuff, sleepstudy, Theophylline:
+    ratios 0.94-1.02."""
+    try:
+        C = np.linalg.inv(obs)
+    except np.linalg.LinAlgError:
+        return np.full(obs.shape[0], np.nan)
+    v = np.diag(C)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(v > 0, np.diag(C @ miss @ C) / v, np.nan)
+
+
 class StandardErrors(dict):
     """``{coordinate: standard error}`` with the fit's convergence verdict as attributes
     ``converged`` and ``convergence_messages`` (see :meth:`SAEMResult.check_convergence`)."""
@@ -357,8 +384,11 @@ class SAEMResult:
                                                    jnp.asarray(M, zs.dtype))
             g, H = np.asarray(g, np.float64), np.asarray(H, np.float64)
             gm = g.mean(0)
-            info_u = -(H.mean(0) + (g.T @ g) / g.shape[0] - np.outer(gm, gm))
+            miss = (g.T @ g) / g.shape[0] - np.outer(gm, gm)
+            info_u = -(H.mean(0) + miss)
             self._fisher = (info_u + info_u.T) / 2.0
+            self.louis_missing_ratio = missing_ratio(self._fisher, (miss + miss.T) / 2.0)
+            self.louis_num_draws = int(g.shape[0])
         return self._fisher.copy()
 
     @property
@@ -430,6 +460,33 @@ class SAEMResult:
         sing = set(getattr(self, "singular_params", []))
         return np.where([n in sing for n in self.names], np.nan, se)
 
+    def _warn_louis_precision(self) -> None:
+        """Warn when the Monte Carlo error of the Louis standard errors (estimated by
+        :func:`missing_ratio`) exceeds :data:`SE_MC_REL` for some coordinate, naming the
+        coordinates and the number of draws that would bring it to SE_MC_REL."""
+        r = getattr(self, "louis_missing_ratio", None)
+        S = getattr(self, "louis_num_draws", 0)
+        if r is None or not S:
+            return
+        rel = r / np.sqrt(2.0 * S)
+        bad = np.isfinite(rel) & (rel > SE_MC_REL)
+        if not np.any(bad):
+            return
+        # names of the unconstrained coordinates: those of the params (flat, same order)
+        names = self.info.theta_coord_names if len(self.names) == len(r) else [
+            f"theta_u[{k}]" for k in range(len(r))]
+        worst = float(np.max(rel[bad]))
+        need = int(np.ceil(S * (worst / SE_MC_REL) ** 2))
+        per_chain = -(-need // max(int(self.z_draws.shape[1]), 1))
+        warnings.warn(
+            "SAEM: the Louis standard errors of "
+            + ", ".join(f"'{n}' (missing information {x:.0f}x its variance)" for n, x, b in
+                        zip(names, r, bad, strict=True) if b)
+            + f" rest on a missing-information term estimated from {S} latent draws: their "
+            f"Monte Carlo error is about {worst:.0%} (r / sqrt(2 S)). For "
+            f"{SE_MC_REL:.0%}, use SAEM(..., num_draws={per_chain}) (draws per chain at the "
+            "final theta; weakly identified variances need many).", stacklevel=3)
+
     def standard_errors(self) -> dict[str, float]:
         """Standard errors of the constrained estimates (delta method on the Louis
         information in unconstrained coordinates). A fit that has not converged
@@ -447,6 +504,7 @@ class SAEMResult:
         jac = np.asarray(jax.jacfwd(self.info.theta_c_flat)(jnp.asarray(self.theta)))
         cov_c = jac @ cov_u @ jac.T
         se = self._nan_singular(np.sqrt(np.where(np.diag(cov_c) > 0, np.diag(cov_c), np.nan)))
+        self._warn_louis_precision()
         out = StandardErrors(zip(self.names, se.tolist(), strict=True))
         out.converged = self.converged
         out.convergence_messages = list(self.convergence_messages)
