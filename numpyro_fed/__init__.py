@@ -34,6 +34,7 @@ from numpyro_fed.saem import (
     ConvergenceWarning,
     SAEMResult,
     Schedule,
+    SingularFitWarning,
     SufficientStatistics,
 )
 
@@ -57,6 +58,7 @@ __all__ = [
     "SufficientStatistics",
     "ClientPartition",
     "ConvergenceWarning",
+    "SingularFitWarning",
     "DivergenceError",
     "FedState",
     "FederatedKernel",

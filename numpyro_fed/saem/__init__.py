@@ -24,7 +24,7 @@ from numpyro_fed.saem.fit import SAEM, SAEMState, fit_saem
 from numpyro_fed.saem.likelihood import annealed_importance_sampling
 from numpyro_fed.saem.model import log_joint_per_subject
 from numpyro_fed.saem.mstep import SufficientStatistics
-from numpyro_fed.saem.result import ConvergenceWarning, SAEMResult
+from numpyro_fed.saem.result import ConvergenceWarning, SAEMResult, SingularFitWarning
 from numpyro_fed.saem.schedule import Schedule
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "Schedule",
     "SufficientStatistics",
     "ConvergenceWarning",
+    "SingularFitWarning",
     "annealed_importance_sampling",
     "fit_saem",
     "log_joint_per_subject",
