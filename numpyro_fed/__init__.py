@@ -29,7 +29,13 @@ from numpyro_fed.kernels import (
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential
 from numpyro_fed.runner import CachedMCMC
-from numpyro_fed.saem import SAEM, SAEMResult, Schedule, SufficientStatistics
+from numpyro_fed.saem import (
+    SAEM,
+    ConvergenceWarning,
+    SAEMResult,
+    Schedule,
+    SufficientStatistics,
+)
 
 __version__ = "0.1.0"
 
@@ -50,6 +56,7 @@ __all__ = [
     "Schedule",
     "SufficientStatistics",
     "ClientPartition",
+    "ConvergenceWarning",
     "DivergenceError",
     "FedState",
     "FederatedKernel",

@@ -1,9 +1,13 @@
 """ArviZ helpers: what ``az.from_numpyro`` cannot know about a federated run.
 
 ``az.from_numpyro(mcmc)`` already works on a federated kernel: the kernel's ``model``
-attribute binds the pooled data, so ArviZ replays the model on all rows (posterior,
-observed data, pooled log-likelihood) and the per-step bits land in ``sample_stats`` as
-``bits`` with a trailing ``(up, down)`` axis. :func:`to_inference_data` adds
+attribute binds the pooled data in the user's row order
+(:meth:`~numpyro_fed.partition.ClientPartition.user_order`), so ArviZ replays the model on
+all rows (observed data, pooled log-likelihood) and every per-row site -- those, the
+deterministic sites of the posterior (computed on the same rows by the kernel's
+``postprocess_fn``) and a posterior predictive on the user's ``X`` -- lines up with the
+user's arrays; the per-step bits land in ``sample_stats`` as ``bits`` with a trailing
+``(up, down)`` axis. :func:`to_inference_data` adds
 
 * ``bits_up`` and ``bits_down`` as separate ``sample_stats`` variables;
 
@@ -73,14 +77,15 @@ def _pointwise(kernel: FederatedKernel, samples: dict, batch: int = 256) -> np.n
     return np.asarray(ll).reshape((chains, draws) + ll.shape[1:])
 
 
-def _rows_in_user_order(ds, num_rows: int, order: np.ndarray, row_dim: str, coords: dict):
-    """``observed_data`` (replayed on the pooled rows, in client order) with its row axis
-    named ``row_dim``, sorted in the user's row order, with the original row index as
-    coordinate (variables whose leading axis is not the rows are kept as they are)."""
+def _name_rows(ds, num_rows: int, row_dim: str, coords: dict):
+    """``observed_data`` (replayed on the pooled rows, already in the user's row order, see
+    :meth:`~numpyro_fed.potential.FederatedPotential.pooled_model`) with its row axis named
+    ``row_dim`` and the original row index and client as coordinates (variables whose
+    leading axis is not the rows are kept as they are)."""
     out = {}
     for name, da in ds.data_vars.items():
         if da.ndim and da.shape[0] == num_rows:
-            da = da.rename({da.dims[0]: row_dim}).isel({row_dim: order})
+            da = da.rename({da.dims[0]: row_dim})
             da = da.drop_vars([c for c in da.coords if row_dim in da[c].dims])
         out[name] = da
     new = ds.__class__(out, attrs=ds.attrs)
@@ -134,8 +139,8 @@ def to_inference_data(mcmc, *, log_likelihood: str | bool = "row", **kwargs):
     client_of_row = np.asarray(part.client_index())
     row_coords = {row_dim: original[order], "client": (row_dim, names[client_of_row][order])}
     if "observed_data" in idata.groups():
-        idata.observed_data = _rows_in_user_order(idata.observed_data, part.total_size,
-                                                  order, row_dim, row_coords)
+        idata.observed_data = _name_rows(idata.observed_data, part.total_size, row_dim,
+                                         row_coords)
     if log_likelihood:
         samples = mcmc.get_samples(group_by_chain=True)
         ll = _pointwise(kernel, samples)

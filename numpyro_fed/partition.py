@@ -482,10 +482,35 @@ class ClientPartition:
         n = int(self.sizes_np[i])
         return {k: np.asarray(v[i, :n]) for k, v in self.data.items()}
 
-    def pooled(self) -> dict[str, np.ndarray]:
-        """Return all clients' unpadded rows concatenated in client order."""
+    def pooled(self, order: str = "clients") -> dict[str, np.ndarray]:
+        """Return all clients' unpadded rows, concatenated in client order (``order=
+        "clients"``) or in the user's row order (``order="user"``, see :meth:`user_order`).
+
+        :param order: ``"clients"`` or ``"user"``.
+        :raises ValueError: for another ``order``.
+        """
+        if order not in ("clients", "user"):
+            raise ValueError(f"`order` must be 'clients' or 'user', got {order!r}.")
         mask = np.arange(self.max_size)[None, :] < self.sizes_np[:, None]
-        return {k: np.asarray(v)[mask] for k, v in self.data.items()}
+        rows = {k: np.asarray(v)[mask] for k, v in self.data.items()}
+        if order == "clients":
+            return rows
+        perm = self.user_order()
+        return {k: v[perm] for k, v in rows.items()}
+
+    def user_order(self) -> np.ndarray:
+        """The permutation ``(total_size,)`` that puts the rows of :meth:`pooled` (client
+        order) in the user's row order: ``pooled()[k][user_order()]`` is
+        ``pooled(order="user")[k]``.
+
+        The user's row order is the order of :attr:`row_index` (:meth:`original_index`):
+        for ``iid``, ``dirichlet``, ``power_law`` and ``by_group`` exactly the rows of the
+        arrays the partition was built from; for ``from_clients`` (and the direct
+        constructor without ``row_index``) the clients' rows concatenated in the order of
+        the clients given, so the identity. Every per-row output of the federated kernels
+        (deterministic sites, the replayed observed data and log-likelihood, ArviZ's
+        groups) is in this order."""
+        return np.argsort(self.original_index(), kind="stable")
 
     @property
     def row_index(self) -> np.ndarray:
@@ -628,6 +653,10 @@ class ClientPartition:
         client_names: Sequence[Any] | None = None,
     ) -> ClientPartition:
         """Build a partition from a list of per-client data mappings.
+
+        The user's row order (:meth:`user_order`) is the concatenation of the clients'
+        rows in the order given: per-row outputs of a run (deterministic sites, observed
+        data, pointwise log-likelihood) list client 0's rows first, then client 1's, ...
 
         :param clients: one mapping per client, all with the same keys; within a client
             all arrays share the leading (data-point) axis.

@@ -194,6 +194,74 @@ def _control_flow_error(model, rows: Mapping[str, Any], shared: Mapping[str, Any
     )
 
 
+class _SiteFailure(Exception):
+    """Raised inside :func:`_failing_site`'s abstract evaluation: the site that failed (or
+    that the model's code was about to reach) and the error."""
+
+    def __init__(self, site: str | None, err: Exception) -> None:
+        super().__init__(site)
+        self.site, self.err = site, err
+
+
+def _site_kinds(model, kwargs: Mapping[str, Any]) -> dict[str, str]:
+    """``{name: kind}`` of the sites of ``model`` traced (abstractly) on ``kwargs``, in trace
+    order; kind is ``"observed"``, ``"latent"`` or the site type (``"deterministic"``,
+    ``"plate"``, ...)."""
+    kinds: dict[str, str] = {}
+
+    def run():
+        tr = handlers.trace(handlers.seed(model, rng_seed=0)).get_trace(**kwargs)
+        for name, site in tr.items():
+            if site["type"] == "sample":
+                kinds[name] = "observed" if site["is_observed"] else "latent"
+            else:
+                kinds[name] = site["type"]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        jax.eval_shape(run)
+    return kinds
+
+
+def _failing_site(model, kwargs: Mapping[str, Any], params: Mapping[str, Array],
+                  site_order: tuple[str, ...]) -> tuple[str | None, Exception | None]:
+    """Evaluate ``model`` abstractly (nothing is compiled) on ``kwargs`` at unconstrained
+    ``params``, site by site, and return ``(site, error)``: the first ``sample`` site whose
+    log-density fails, or, when the model's own code fails, the site it was about to reach
+    (the first site of ``site_order``, the model's sites in the order of its trace on the
+    pooled data, that it did not reach); ``(None, None)`` when everything evaluates or the
+    failure cannot be put on a site."""
+    def run(params):
+        seeded = handlers.seed(model, rng_seed=0)
+        subs = handlers.substitute(seeded, substitute_fn=partial(_unconstrain_reparam, params))
+        tracer = handlers.trace(subs)
+        try:
+            tr = tracer.get_trace(**kwargs)
+        except _CONCRETE_ERRORS:
+            raise
+        except Exception as err:  # noqa: BLE001 -- reported with the site it stopped before
+            reached = set(getattr(tracer, "trace", None) or ())
+            raise _SiteFailure(next((n for n in site_order if n not in reached), None),
+                               err) from None
+        for name, site in tr.items():
+            if site["type"] != "sample":
+                continue
+            try:
+                site["fn"].log_prob(site["value"])
+            except Exception as err:  # noqa: BLE001 -- reported with its site
+                raise _SiteFailure(name, err) from None
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            jax.eval_shape(run, params)
+    except _SiteFailure as f:
+        return f.site, f.err
+    except Exception:  # noqa: BLE001 -- not a failure that a site explains
+        return None, None
+    return None, None
+
+
 def _threefry_key_words(key: Array):
     """The two 32-bit words of a Threefry-2x32 key (raw ``uint32[2]`` or typed), else
     ``None`` (another PRNG implementation)."""
@@ -340,7 +408,11 @@ class FederatedPotential:
         self.likelihood_weight = tau
 
         # --- structure of the model: latent sites, transforms, deterministic sites -------
-        pooled = {**partition.pooled(), **self.shared}
+        # the pooled data in the USER's row order (not the clients'): every per-row output
+        # computed by replaying the model on them (deterministic sites, ArviZ's observed
+        # data and log-likelihood) is then in the order of the user's arrays, whatever the
+        # plate layout, with no row axis to guess
+        pooled = {**partition.pooled(order="user"), **self.shared}
         self._pooled_kwargs = pooled
         self._first_row = {k: np.asarray(v[0, 0]) for k, v in partition.data.items()}
         # compiled initialisers per init strategy (:meth:`init_params`); the analysis below
@@ -537,7 +609,9 @@ class FederatedPotential:
     def constrain(self, theta: Array, *, deterministic: bool = True) -> dict:
         """Constrained values of the latent sites at flat ``theta`` and, when the model has
         deterministic sites and ``deterministic`` is true, those sites evaluated on the pooled
-        data (this replays the model on all rows)."""
+        data in the user's row order (:meth:`~numpyro_fed.partition.ClientPartition.user_order`;
+        this replays the model on all rows): a per-row site lines up with the user's ``X``
+        and ``y`` as it would from NUTS on the same arrays."""
         params = self.unravel(theta)
         if deterministic and self.deterministic_names:
             return constrain_fn(
@@ -553,7 +627,8 @@ class FederatedPotential:
         """The user's model, bound to the pooled data when called without data.
 
         Called with none of the partition's data arguments (``model()``, or only non-row
-        arguments), it runs on the pooled data: this is what ArviZ replays
+        arguments), it runs on the pooled data in the user's row order
+        (:meth:`~numpyro_fed.partition.ClientPartition.user_order`): this is what ArviZ replays
         (``az.from_numpyro`` calls ``mcmc.sampler.model()`` with the ``args`` given to
         ``MCMC.run``, which are empty here because the data travel in the partition). As soon
         as the caller passes any of the partition's data arguments (by position or by name),
@@ -691,6 +766,46 @@ class FederatedPotential:
                     "make it a continuous relaxation."
                 )
 
+    def _raise_if_not_factorising(self, params: Mapping[str, Array], row_sets: list[dict],
+                                  err: Exception) -> None:
+        """Raise a :class:`ValueError` naming the site if the model, which runs on the pooled
+        rows, fails on one of ``row_sets`` (subsets of the pooled rows, one dict of arrays
+        each): its likelihood spans the rows (e.g. one ``MultivariateNormal`` over all
+        observations), which the clients cannot evaluate apart. Returns when no site
+        explains ``err`` (the caller re-raises it)."""
+        model, shared = self.model, self.shared
+        try:
+            kinds = _site_kinds(model, self._pooled_kwargs)
+        except Exception:  # noqa: BLE001 -- no diagnosis: the caller re-raises `err`
+            return
+        n = self.partition.total_size
+        order = tuple(k for k, v in kinds.items() if v != "plate")
+        for rows in row_sets:
+            site, cause = _failing_site(model, {**rows, **shared}, params, order)
+            if site is None:
+                continue
+            m = int(np.shape(next(iter(rows.values())))[0])
+            kind = kinds.get(site)
+            what = {"observed": "observed site", "latent": "latent site"}.get(
+                kind, f"{kind} site" if kind else "site")
+            text = str(cause).strip().splitlines()
+            first = text[0] if text else ""
+            lead = ("The model's log-likelihood does not" if kind == "observed"
+                    else "The model does not")
+            raise ValueError(
+                f"{lead} factorise over the rows of the partition: {what} {site!r} cannot be "
+                f"evaluated on {m} of the {n} rows of the partitioned arrays "
+                f"{self.partition.keys} ({type(cause).__name__}: {first}), although the "
+                f"model runs on all {n} rows. The federated kernels evaluate each client's "
+                "rows apart (and single rows), so the likelihood must factorise over the rows "
+                "of the partition: one term per row, with observed sites and numpyro.factor "
+                "terms inside the data plate. A likelihood that spans the rows (one "
+                "MultivariateNormal over all observations, a Gaussian process, a per-row "
+                "array passed through `shared`) cannot be split across clients: write it row "
+                "by row if the rows are independent given the parameters, or sample the "
+                "pooled model with NumPyro's NUTS."
+            ) from err
+
     def _row_sets(self, check: bool) -> tuple[dict, ...]:
         """Row sets of the pooled data for the site checks, grouped by number of rows, each
         with a leading set axis: ``(row 0, row 1)``, ``(rows {0, 1}, rows {0, 0})``, all
@@ -726,6 +841,9 @@ class FederatedPotential:
             shapes_row = jax.eval_shape(latent_values, one_row)
         except _CONCRETE_ERRORS as err:
             raise _control_flow_error(model, one_row, shared, err) from None
+        except Exception as err:
+            self._raise_if_not_factorising(z0, [one_row], err)
+            raise
         shapes_all = jax.eval_shape(partial(transform_fn, self._inv_transforms), z0)
         for name in self.latent_names:
             if shapes_row[name].shape != shapes_all[name].shape:
@@ -757,6 +875,10 @@ class FederatedPotential:
         except _CONCRETE_ERRORS as err:
             first = {k: v[0] for k, v in sets[0].items()}
             raise _control_flow_error(model, first, shared, err) from None
+        except Exception as err:
+            self._raise_if_not_factorising(
+                unravel(z0), [{k: v[0] for k, v in rows.items()} for rows in sets[:2]], err)
+            raise
         return any(k not in two or one[k].shape == two[k].shape for k in one)
 
     def _classify_sites(self, z0: Array, observed: tuple[str, ...], check: bool
@@ -793,6 +915,11 @@ class FederatedPotential:
         except _CONCRETE_ERRORS as err:
             first = {k: v[0] for k, v in sets[0].items()}
             raise _control_flow_error(model, first, shared, err) from None
+        except Exception as err:
+            self._raise_if_not_factorising(
+                unravel(z0), [{k: v[j] for k, v in rows.items()} for rows in sets
+                              for j in range(len(next(iter(rows.values()))))], err)
+            raise
         # values[name]: (row set, point), row sets ordered as in _row_sets
         names = set().union(*(t.keys() for t in out))
         values = {}

@@ -22,12 +22,33 @@ quantities (fixed effects; variances :math:`\\omega^2`, :math:`\\sigma^2`, the e
 :func:`compare` scores an estimate against the targets (fixed effects within
 ``max(0.2 SE, 1%)``, variances within ``max(0.3 SE, 10%)``, :math:`-2\\ell` within 0.5).
 
+Issue 28 added (:data:`NEW_CASE_NAMES`; selectable by the flags ``grouping``, ``boundary``,
+``data_dependent_shapes`` of :class:`Case`):
+
+* several grouping factors. The likelihood then factorises over CONNECTED GROUPS, not
+  subjects: a row of ``b`` holds every latent of one group (crossed Penicillin: the whole
+  data set, 24 + 6 latents, closed form over all 144 rows, Laplace = exact for the AGQ
+  checks; nested Pastes / Oats: a batch or block with the casks or plots in it, closed form
+  per group; nested binomial cbpp_olre: a herd and its rows' observation-level effects,
+  AGQ 9^5 per herd, checked against nested one-dimensional quadrature);
+* a boundary (singular) fit, Dyestuff2: the reference maximises in the natural coordinates
+  (variances bounded below by 0) and checks the KKT conditions; the stored ``se`` of the
+  boundary variance is the two-sided curvature scale (the full natural-coordinate
+  information, the log-likelihood continued analytically to small negative variances), not
+  a sampling SE, and the other SEs are those of the model on the face (the boundary
+  variance held at 0, as lme4 reports a singular fit); ``boundary`` in the reference holds
+  the (negative) derivative at 0, and :func:`compare` scores the boundary variance by it;
+* models that compute plate sizes, param shapes or control flow from the data's values
+  (``len(np.unique(x))``, ``np.bincount``, ``int(x.max()) + 1``, a Python ``int``
+  argument), each the twin of a constant-size case (same likelihood, same reference).
+
 All exact computations run in float64 inside ``jax.enable_x64(True)`` contexts, so nothing
 leaks x64 into other tests; the models and their data are float32-friendly, as users run them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -55,12 +76,15 @@ __all__ = [
     "FIXED_TOL_REL",
     "FIXED_TOL_SE",
     "M2LL_TOL",
+    "NEW_CASE_NAMES",
+    "PRE28_CASE_NAMES",
     "REFERENCE_FILE",
     "VAR_TOL_REL",
     "VAR_TOL_SE",
     "agq_loglik",
     "all_cases",
     "brute_force_loglik",
+    "cbpp_olre_nested_loglik",
     "compare",
     "exact_loglik",
     "exact_loglik_per_subject",
@@ -68,8 +92,10 @@ __all__ = [
     "format_comparison",
     "get_case",
     "loglik_grad_hess",
+    "natural_grad_hess",
     "model_log_density",
     "param_spec",
+    "penicillin_subset",
     "reference",
     "reference_log_joint",
     "write_references",
@@ -117,6 +143,35 @@ class Case:
     cov_pairs: dict = field(default_factory=dict)
     #: half width (in Laplace standard deviations) of the brute-force grid
     half_width: float = 12.0
+    #: how the latents group the data: ``"single"`` (one grouping factor, the subject plate;
+    #: a row of ``b`` per subject), ``"nested"`` (the rows of ``b`` are the top-level groups,
+    #: each holding its own latent and those of the units nested in it, e.g. a batch and its
+    #: casks) or ``"crossed"`` (factors that are not nested: the whole data set is one
+    #: connected group, ``b`` has one row holding every latent)
+    grouping: str = "single"
+    #: the plates of the latent sites (default: ``(subject_plate,)``)
+    latent_plates: tuple = ()
+    #: names of the variance quantities whose maximum-likelihood value is 0 (a boundary,
+    #: "singular" fit); such a case gives ``natural_loglik`` and ``from_natural``
+    boundary: tuple = ()
+    #: exact log-likelihood as a function of the quantities dict (fixed effects, variances:
+    #: smooth at a zero variance, where the params' square roots are not)
+    natural_loglik: Callable | None = None
+    #: the quantities dict back to the constrained params
+    from_natural: Callable | None = None
+    #: the model computes plate sizes / param shapes / control flow from the data's VALUES
+    #: (``int(x.max()) + 1``, ``len(np.unique(x))``, ``np.bincount``, a Python ``int``
+    #: argument): it runs with concrete data only (as under NumPyro's MCMC), not with traced
+    data_dependent_shapes: bool = False
+    #: the case with the same likelihood written with constant sizes (its twin)
+    twin: str | None = None
+    #: ``b -> (n,)``: the part of ``log_joint`` that is not in the model (coordinates of a
+    #: group that the model lacks, e.g. a missing cell, given a density that integrates to 1)
+    log_joint_offset: Callable | None = None
+
+    @property
+    def plates_of_latents(self) -> tuple:
+        return self.latent_plates or (self.subject_plate,)
 
     @property
     def linear(self) -> bool:
@@ -815,6 +870,433 @@ def _case_phenobarb(covariates: bool = False) -> Case:
     )
 
 
+# ============================================================================ issue 28 cases
+# Crossed and nested grouping factors, a boundary (singular) fit, and models that compute
+# their plate sizes from the data's values. The exact references extend the per-subject
+# machinery to CONNECTED GROUPS: a row of ``b`` holds every latent of one group that the
+# likelihood couples (the whole data set for crossed factors, a top-level unit with the
+# units nested in it), so ``log_joint`` stays row-separable and AGQ / Laplace / the
+# brute-force grid apply unchanged; the closed form is the Gaussian marginal of each group.
+
+# -- 13. Penicillin: crossed random effects (24 plates x 6 samples, every cell once) -----
+def penicillin_model(plate, sample, diameter=None, n_plates=24, n_samples=6):
+    """Diameter (mm) of the growth-inhibition zone of 6 penicillin samples on 24 agar plates:
+    mu + u_plate + v_sample + e, two crossed (not nested) random intercepts, each with its
+    own variance."""
+    mu = numpyro.param("mu", 20.0)
+    tau_plate = numpyro.param("tau_plate", 2.0, constraint=constraints.positive)
+    tau_sample = numpyro.param("tau_sample", 1.0, constraint=constraints.positive)
+    sigma = numpyro.param("sigma", 1.0, constraint=constraints.positive)
+    with numpyro.plate("plates", n_plates):
+        u = numpyro.sample("u", dist.Normal(0.0, tau_plate))
+    with numpyro.plate("samples", n_samples):
+        v = numpyro.sample("v", dist.Normal(0.0, tau_sample))
+    with numpyro.plate("obs", plate.shape[0]):
+        numpyro.sample("diameter", dist.Normal(mu + u[plate] + v[sample], sigma),
+                       obs=diameter)
+
+
+def _onehot(idx, n) -> np.ndarray:
+    return (np.asarray(idx)[:, None] == np.arange(n)[None, :]).astype(np.float64)
+
+
+def _case_penicillin(n_plates: int | None = None, n_samples: int | None = None) -> Case:
+    """The full design, or (for the brute-force check) its first ``n_plates`` plates x
+    ``n_samples`` samples, under the name ``penicillin[PxS]``."""
+    df = _rd("lme4", "Penicillin").sort_values(["plate", "sample"])
+    plate, _ = _codes(df["plate"])
+    sample, _ = _codes(df["sample"])
+    y = _f32(df["diameter"])
+    sub = n_plates is not None
+    P, S = (n_plates, n_samples) if sub else (24, 6)
+    keep = (plate < P) & (sample < S)
+    plate, sample, y = plate[keep], sample[keep], y[keep]
+    q = P + S
+    Z = np.concatenate([_onehot(plate, P), _onehot(sample, S)], 1)  # (N, P + S)
+
+    def log_joint(th, b):
+        u, v = b[:, :P], b[:, P:]
+        lp = (jnp.sum(norm.logpdf(u, 0.0, th["tau_plate"]), 1)
+              + jnp.sum(norm.logpdf(v, 0.0, th["tau_sample"]), 1))
+        mean = th["mu"] + u[:, plate] + v[:, sample]
+        return lp + jnp.sum(norm.logpdf(_j(y)[None], mean, th["sigma"]), 1)
+
+    def closed_form(th):
+        Sigma = jnp.diag(jnp.concatenate([jnp.full(P, th["tau_plate"] ** 2),
+                                          jnp.full(S, th["tau_sample"] ** 2)]))
+        m = jnp.full((1, len(y)), th["mu"])
+        return _gauss_marginal(_j(y)[None], m, _j(Z)[None], Sigma, th["sigma"] ** 2)
+
+    q_fn = _quantities(("mu",), ("tau_plate", "tau_sample", "sigma"))
+    ex = {"mu": 0.0, "tau_plate": 1.0, "tau_sample": 1.0, "sigma": 1.0}
+    data = {"plate": plate, "sample": sample, "diameter": y}
+    if sub:
+        data.update(n_plates=P, n_samples=S)
+    return Case(
+        name=f"penicillin[{P}x{S}]" if sub else "penicillin", model=penicillin_model,
+        data=data,
+        description="lme4 Penicillin: diameter ~ 1 + (1|plate) + (1|sample), 24 plates x 6 "
+                    "samples crossed (144 rows, one per cell); the likelihood couples every "
+                    "row: one connected group of 30 latents, closed form over all rows",
+        covers=("LMM", "crossed random effects", "two variance components", "long format",
+                "one connected group"),
+        layout="long", n_subjects=1, n_obs=len(y), n_re=q, subject_plate="plates",
+        log_joint=log_joint, re_init=lambda th: jnp.zeros((1, q)),
+        latents=lambda b: {"u": b[0, :P], "v": b[0, P:]}, quantities=q_fn,
+        kinds=_kinds(q_fn, ex), closed_form=closed_form,
+        # one node: the Laplace approximation, exact for this Gaussian integrand (a tensor
+        # Gauss-Hermite rule in 30 dimensions is out of reach and not needed)
+        num_nodes=1, grouping="crossed", latent_plates=("plates", "samples"),
+    )
+
+
+# -- 14. Pastes: nested random effects (casks within batches) ---------------------------
+def pastes_model(batch, cask, strength=None, n_batches=10, n_casks=30):
+    """Strength of a chemical paste: 10 delivery batches, 3 casks per batch, 2 assays per
+    cask; mu + b_batch + c_cask + e with casks nested in batches (``cask`` numbers the 30
+    batch:cask combinations)."""
+    mu = numpyro.param("mu", 50.0)
+    tau_batch = numpyro.param("tau_batch", 3.0, constraint=constraints.positive)
+    tau_cask = numpyro.param("tau_cask", 1.0, constraint=constraints.positive)
+    sigma = numpyro.param("sigma", 2.0, constraint=constraints.positive)
+    with numpyro.plate("batches", n_batches):
+        b = numpyro.sample("b", dist.Normal(0.0, tau_batch))
+    with numpyro.plate("casks", n_casks):
+        c = numpyro.sample("c", dist.Normal(0.0, tau_cask))
+    with numpyro.plate("obs", batch.shape[0]):
+        numpyro.sample("strength", dist.Normal(mu + b[batch] + c[cask], sigma),
+                       obs=strength)
+
+
+def _case_pastes() -> Case:
+    df = _rd("lme4", "Pastes").sort_values(["batch", "cask"], kind="stable")
+    batch, _ = _codes(df["batch"])
+    cask, _ = _codes(df["sample"])  # the batch:cask labels A:a, A:b, ..., J:c
+    y = _f32(df["strength"])
+    n, T, K = 10, 6, 3
+    assert np.all(cask // K == batch) and np.all(batch.reshape(n, T) == np.arange(n)[:, None])
+    within = cask % K  # the cask's position in its batch
+    # one group per batch: latents (b_i, c_{3i}, c_{3i+1}, c_{3i+2})
+    Zg = np.concatenate([np.ones((len(y), 1)), _onehot(within, K)], 1).reshape(n, T, K + 1)
+
+    def log_joint(th, b):
+        lp = (norm.logpdf(b[:, 0], 0.0, th["tau_batch"])
+              + jnp.sum(norm.logpdf(b[:, 1:], 0.0, th["tau_cask"]), 1))
+        mean = th["mu"] + b[batch, 0] + b[batch, 1 + within]
+        return lp + _seg(norm.logpdf(_j(y), mean, th["sigma"]), batch, n)
+
+    def closed_form(th):
+        Sigma = jnp.diag(jnp.concatenate([jnp.reshape(th["tau_batch"] ** 2, (1,)),
+                                          jnp.full(K, th["tau_cask"] ** 2)]))
+        return _gauss_marginal(_j(y.reshape(n, T)), jnp.full((n, T), th["mu"]), _j(Zg),
+                               Sigma, th["sigma"] ** 2)
+
+    q = _quantities(("mu",), ("tau_batch", "tau_cask", "sigma"))
+    ex = {"mu": 0.0, "tau_batch": 1.0, "tau_cask": 1.0, "sigma": 1.0}
+    return Case(
+        name="pastes", model=pastes_model,
+        data={"batch": batch, "cask": cask, "strength": y},
+        description="lme4 Pastes: strength ~ 1 + (1|batch) + (1|batch:cask), 10 batches x 3 "
+                    "casks x 2 assays; connected group = batch (its latent and its 3 casks')",
+        covers=("LMM", "nested random effects", "two variance components", "long format"),
+        layout="long", n_subjects=n, n_obs=len(y), n_re=K + 1, subject_plate="batches",
+        log_joint=log_joint, re_init=lambda th: jnp.zeros((n, K + 1)),
+        latents=lambda b: {"b": b[:, 0], "c": b[:, 1:].reshape(-1)}, quantities=q,
+        kinds=_kinds(q, ex), closed_form=closed_form, num_nodes=5, grouping="nested",
+        latent_plates=("batches", "casks"),
+    )
+
+
+# -- 14b. Oats: nested random effects with a covariate (plots = varieties within blocks) ---
+def oats_model(block, plot, nitro, y=None, n_blocks=6, n_plots=18):
+    """Split-plot oats trial: yield (1/4 lbs per sub-plot) ~ beta0 + beta_nitro nitro +
+    b_block + c_plot, the 18 plots (one variety each) nested in the 6 blocks, 4 nitrogen
+    levels per plot (``plot`` numbers the 18 block:variety combinations)."""
+    beta0 = numpyro.param("beta0", 100.0)
+    beta_nitro = numpyro.param("beta_nitro", 0.0)
+    tau_block = numpyro.param("tau_block", 5.0, constraint=constraints.positive)
+    tau_plot = numpyro.param("tau_plot", 5.0, constraint=constraints.positive)
+    sigma = numpyro.param("sigma", 5.0, constraint=constraints.positive)
+    with numpyro.plate("blocks", n_blocks):
+        b = numpyro.sample("b", dist.Normal(0.0, tau_block))
+    with numpyro.plate("plots", n_plots):
+        c = numpyro.sample("c", dist.Normal(0.0, tau_plot))
+    with numpyro.plate("obs", nitro.shape[0]):
+        mean = beta0 + beta_nitro * nitro + b[block] + c[plot]
+        numpyro.sample("yield", dist.Normal(mean, sigma), obs=y)
+
+
+def _case_oats() -> Case:
+    df = _rd("nlme", "Oats")
+    df = df.assign(plot=df["Block"] + ":" + df["Variety"])
+    df = df.sort_values(["Block", "plot", "nitro"], kind="stable")
+    block, _ = _codes(df["Block"])
+    plot, _ = _codes(df["plot"])
+    nitro = _f32(df["nitro"])
+    y = _f32(df["yield"])
+    n, T, K = 6, 12, 3
+    assert np.all(plot // K == block) and np.all(block.reshape(n, T) == np.arange(n)[:, None])
+    within = plot % K
+    Zg = np.concatenate([np.ones((len(y), 1)), _onehot(within, K)], 1).reshape(n, T, K + 1)
+
+    def log_joint(th, b):
+        lp = (norm.logpdf(b[:, 0], 0.0, th["tau_block"])
+              + jnp.sum(norm.logpdf(b[:, 1:], 0.0, th["tau_plot"]), 1))
+        mean = th["beta0"] + th["beta_nitro"] * _j(nitro) + b[block, 0] + b[block, 1 + within]
+        return lp + _seg(norm.logpdf(_j(y), mean, th["sigma"]), block, n)
+
+    def closed_form(th):
+        Sigma = jnp.diag(jnp.concatenate([jnp.reshape(th["tau_block"] ** 2, (1,)),
+                                          jnp.full(K, th["tau_plot"] ** 2)]))
+        m = th["beta0"] + th["beta_nitro"] * _j(nitro.reshape(n, T))
+        return _gauss_marginal(_j(y.reshape(n, T)), m, _j(Zg), Sigma, th["sigma"] ** 2)
+
+    q = _quantities(("beta0", "beta_nitro"), ("tau_block", "tau_plot", "sigma"))
+    ex = {"beta0": 0.0, "beta_nitro": 0.0, "tau_block": 1.0, "tau_plot": 1.0, "sigma": 1.0}
+    return Case(
+        name="oats", model=oats_model,
+        data={"block": block, "plot": plot, "nitro": nitro, "y": y},
+        description="nlme Oats (split plot): yield ~ nitro + (1|Block/Variety), 6 blocks x 3 "
+                    "plots x 4 nitrogen levels; connected group = block",
+        covers=("LMM", "nested random effects", "continuous covariate", "long format",
+                "fixed effect initialised at 0"),
+        layout="long", n_subjects=n, n_obs=len(y), n_re=K + 1, subject_plate="blocks",
+        log_joint=log_joint, re_init=lambda th: jnp.zeros((n, K + 1)),
+        latents=lambda b: {"b": b[:, 0], "c": b[:, 1:].reshape(-1)}, quantities=q,
+        kinds=_kinds(q, ex), closed_form=closed_form, num_nodes=5, grouping="nested",
+        latent_plates=("blocks", "plots"),
+    )
+
+
+# -- 14c. cbpp with an observation-level random effect: a nested binomial GLMM ----------
+def cbpp_olre_model(herd, period, size, incidence=None, n_herds=15):
+    """cbpp with lme4's observation-level random effect for overdispersion,
+    ``cbind(incidence, size - incidence) ~ period + (1|herd) + (1|obs)``: each row's own
+    effect e is nested in its herd's u; one row per observed herd x period."""
+    intercept = numpyro.param("intercept", -1.0)
+    beta_period = numpyro.param("beta_period", jnp.zeros(3))
+    tau_herd = numpyro.param("tau_herd", 1.0, constraint=constraints.positive)
+    tau_obs = numpyro.param("tau_obs", 1.0, constraint=constraints.positive)
+    period_effect = jnp.concatenate([jnp.zeros(1), beta_period])
+    with numpyro.plate("herds", n_herds):
+        u = numpyro.sample("u", dist.Normal(0.0, tau_herd))
+    with numpyro.plate("obs", herd.shape[0]):
+        e = numpyro.sample("e", dist.Normal(0.0, tau_obs))
+        logits = intercept + period_effect[period] + u[herd] + e
+        numpyro.sample("incidence", dist.Binomial(size, logits=logits), obs=incidence)
+
+
+def _case_cbpp_olre() -> Case:
+    df = _rd("lme4", "cbpp")
+    herd, _ = _codes(df["herd"])
+    period = (df["period"].to_numpy().astype(int) - 1).astype(np.int32)
+    size, inc = _f32(df["size"]), _f32(df["incidence"])
+    n, P = 15, 4
+    # one group per herd: latents (u_h, e of the herd's cell in period 1..4); a cell with no
+    # row (4 of the 60) gets a standard normal coordinate that integrates to 1
+    # (``log_joint_offset``: the part of log_joint that is not in the model)
+    S = np.ones((n, P), np.float64)
+    Y = np.zeros((n, P), np.float64)
+    M = np.zeros((n, P), bool)
+    S[herd, period], Y[herd, period], M[herd, period] = size, inc, True
+
+    def offset(b):
+        return jnp.sum(jnp.where(jnp.asarray(M), 0.0, norm.logpdf(b[:, 1:])), 1)
+
+    def log_joint(th, b):
+        eff = jnp.concatenate([jnp.zeros(1), th["beta_period"]])
+        ll = _binom_logpmf(_j(Y), _j(S), th["intercept"] + eff + b[:, :1] + b[:, 1:])
+        lp = jnp.where(jnp.asarray(M), norm.logpdf(b[:, 1:], 0.0, th["tau_obs"]) + ll,
+                       norm.logpdf(b[:, 1:]))
+        return norm.logpdf(b[:, 0], 0.0, th["tau_herd"]) + jnp.sum(lp, 1)
+
+    q = _quantities(("intercept", "beta_period"), ("tau_herd", "tau_obs"))
+    ex = {"intercept": 0.0, "beta_period": jnp.zeros(3), "tau_herd": 1.0, "tau_obs": 1.0}
+    return Case(
+        name="cbpp_olre", model=cbpp_olre_model,
+        data={"herd": herd, "period": period, "size": size, "incidence": inc},
+        description="lme4 cbpp with an observation-level RE: incidence ~ Binomial(size, "
+                    "logit^-1(intercept + period + u_herd + e_row)), rows nested in herds; "
+                    "connected group = herd (5 latents), AGQ 9^5 per herd",
+        covers=("binomial GLMM", "nested random effects", "observation-level RE",
+                "two variance components", "long format"),
+        layout="long", n_subjects=n, n_obs=len(inc), n_re=1 + P, subject_plate="herds",
+        log_joint=log_joint, re_init=lambda th: jnp.zeros((n, 1 + P)),
+        latents=lambda b: {"u": b[:, 0], "e": b[herd, 1 + period]}, quantities=q,
+        kinds=_kinds(q, ex), num_nodes=9, grouping="nested", latent_plates=("herds", "obs"),
+        log_joint_offset=offset,
+    )
+
+
+# -- 15. Dyestuff2: a boundary (singular) fit, the ML between-batch variance is 0 ---------
+def dyestuff2_model(batch, y=None, n_batches=6):
+    """lme4's simulated Dyestuff2: y = mu + b_batch + e; the batches vary less than the
+    residual noise predicts, so the ML between-batch variance is exactly 0."""
+    mu = numpyro.param("mu", 1.0)
+    tau = numpyro.param("tau", 1.0, constraint=constraints.positive)
+    sigma = numpyro.param("sigma", 1.0, constraint=constraints.positive)
+    with numpyro.plate("batch", n_batches):
+        b = numpyro.sample("b", dist.Normal(0.0, tau))
+    with numpyro.plate("obs", batch.shape[0]):
+        numpyro.sample("y", dist.Normal(mu + b[batch], sigma), obs=y)
+
+
+def _case_dyestuff2() -> Case:
+    df = _rd("lme4", "Dyestuff2").sort_values(["Batch"], kind="stable")
+    batch, _ = _codes(df["Batch"])
+    y = _f32(df["Yield"])
+    n, T = 6, 5
+    Y = y.reshape(n, T)
+    assert np.all(batch.reshape(n, T) == np.arange(n)[:, None])
+
+    def log_joint(th, b):
+        ll = norm.logpdf(_j(y), th["mu"] + b[batch, 0], th["sigma"])
+        return norm.logpdf(b[:, 0], 0.0, th["tau"]) + _seg(ll, batch, n)
+
+    def marginal(mu, tau2, s2):
+        return _gauss_marginal(_j(Y), jnp.full((n, T), mu), jnp.ones((n, T, 1)),
+                               jnp.reshape(tau2, (1, 1)), s2)
+
+    q = _quantities(("mu",), ("tau", "sigma"))
+    ex = {"mu": 0.0, "tau": 1.0, "sigma": 1.0}
+    return Case(
+        name="dyestuff2", model=dyestuff2_model, data={"batch": batch, "y": y},
+        description="lme4 Dyestuff2: Yield = mu + b_batch + e, 6 batches x 5; the ML "
+                    "between-batch variance is 0 (lme4: singular fit)",
+        covers=("LMM", "one RE", "boundary (singular) fit"),
+        layout="long", n_subjects=n, n_obs=len(y), n_re=1, subject_plate="batch",
+        log_joint=log_joint, re_init=lambda th: jnp.zeros((n, 1)),
+        latents=lambda b: {"b": b[:, 0]}, quantities=q, kinds=_kinds(q, ex),
+        closed_form=lambda th: marginal(th["mu"], th["tau"] ** 2, th["sigma"] ** 2),
+        num_nodes=25, boundary=("tau^2",),
+        natural_loglik=lambda nat: marginal(nat["mu"], nat["tau^2"], nat["sigma^2"]),
+        from_natural=lambda nat: {"mu": nat["mu"], "tau": jnp.sqrt(nat["tau^2"]),
+                                  "sigma": jnp.sqrt(nat["sigma^2"])},
+    )
+
+
+# -- 16.-19. plate sizes and shapes computed from the data, the plainest NumPyro style ---
+# Each has a twin above with the same likelihood written with constant sizes; it reuses the
+# twin's exact log joint and closed form (the tests check that both models have the same
+# log density), with its own data layout and latents.
+def sleepstudy_unique_model(days, subj, reaction=None):
+    """sleepstudy, (Days || Subject), with the number of subjects counted from the data."""
+    n_subjects = len(np.unique(subj))
+    beta0 = numpyro.param("beta0", 200.0)
+    beta1 = numpyro.param("beta1", 0.0)
+    tau = numpyro.param("tau", jnp.array([10.0, 10.0]), constraint=constraints.positive)
+    sigma = numpyro.param("sigma", 10.0, constraint=constraints.positive)
+    with numpyro.plate("subject", n_subjects):
+        b = numpyro.sample("b", dist.Normal(0.0, tau).to_event(1))
+    with numpyro.plate("obs", len(days)):
+        mean = beta0 + b[subj, 0] + (beta1 + b[subj, 1]) * days
+        numpyro.sample("reaction", dist.Normal(mean, sigma), obs=reaction)
+
+
+def _case_sleepstudy_unique() -> Case:
+    twin = get_case("sleepstudy_lme4style")
+    return dataclasses.replace(
+        twin, name="sleepstudy_unique", model=sleepstudy_unique_model,
+        description="sleepstudy (Days || Subject) with n_subjects = len(np.unique(subj)) in "
+                    "the model; twin of sleepstudy_lme4style",
+        covers=("LMM", "data-dependent plate size (len(np.unique))", "long format"),
+        data_dependent_shapes=True, twin=twin.name)
+
+
+def orthodont_bincount_model(age, female, subj, distance=None):
+    """Orthodont in long format (one row per measurement): the subjects are counted with
+    ``np.bincount`` and each subject's sex is read off its rows."""
+    counts = np.bincount(subj)
+    female_subject = np.bincount(subj, weights=female) / counts
+    beta0 = numpyro.param("beta0", 10.0)
+    beta_age = numpyro.param("beta_age", 1.0)
+    beta_sex = numpyro.param("beta_sex", 0.0)
+    omega = numpyro.param("omega", jnp.ones(2), constraint=constraints.positive)
+    sigma = numpyro.param("sigma", 1.0, constraint=constraints.positive)
+    with numpyro.plate("subject", len(counts)):
+        b0 = numpyro.sample("b0", dist.Normal(beta0 + beta_sex * female_subject, omega[0]))
+        b1 = numpyro.sample("b1", dist.Normal(beta_age, omega[1]))
+    with numpyro.plate("obs", len(age)):
+        numpyro.sample("distance", dist.Normal(b0[subj] + b1[subj] * age, sigma),
+                       obs=distance)
+
+
+def _case_orthodont_bincount() -> Case:
+    twin = get_case("orthodont")
+    n, T = twin.data["age"].shape
+    subj = np.repeat(np.arange(n, dtype=np.int32), T)
+    data = {"age": twin.data["age"].reshape(-1),
+            "female": np.repeat(twin.data["female"], T),
+            "subj": subj, "distance": twin.data["distance"].reshape(-1)}
+    return dataclasses.replace(
+        twin, name="orthodont_bincount", model=orthodont_bincount_model, data=data,
+        description="nlme Orthodont in long format: n_subjects and the per-subject Sex from "
+                    "np.bincount(subj) in the model; twin of orthodont",
+        covers=("LMM", "data-dependent plate size (np.bincount)",
+                "per-subject covariate computed from the rows", "long format"),
+        layout="long", data_dependent_shapes=True, twin=twin.name)
+
+
+def cbpp_long_model(herd, period, size, incidence=None):
+    """cbpp in its long format (one row per observed herd x period): the numbers of herds and
+    periods, and so the shape of ``beta_period``, come from the data; the data are checked
+    with Python control flow."""
+    if incidence is not None and np.any(incidence > size):
+        raise ValueError("incidence exceeds the herd size")
+    n_herds = int(herd.max()) + 1
+    n_periods = len(np.unique(period))
+    intercept = numpyro.param("intercept", -1.0)
+    beta_period = numpyro.param("beta_period", jnp.zeros(n_periods - 1))
+    sigma = numpyro.param("sigma", 1.0, constraint=constraints.positive)
+    period_effect = jnp.concatenate([jnp.zeros(1), beta_period])
+    with numpyro.plate("herd", n_herds):
+        b = numpyro.sample("b", dist.Normal(intercept, sigma))
+    with numpyro.plate("obs", len(herd)):
+        numpyro.sample("incidence", dist.Binomial(size, logits=b[herd] + period_effect[period]),
+                       obs=incidence)
+
+
+def _case_cbpp_long() -> Case:
+    twin = get_case("cbpp")
+    df = _rd("lme4", "cbpp")
+    herd, _ = _codes(df["herd"])
+    period = (df["period"].to_numpy().astype(int) - 1).astype(np.int32)
+    data = {"herd": herd, "period": period, "size": _f32(df["size"]),
+            "incidence": _f32(df["incidence"])}
+    return dataclasses.replace(
+        twin, name="cbpp_long", model=cbpp_long_model, data=data,
+        description="lme4 cbpp, long format (56 rows): n_herds = int(herd.max()) + 1, "
+                    "beta_period's length from len(np.unique(period)), a Python check on the "
+                    "data; twin of cbpp",
+        covers=("binomial GLMM", "data-dependent plate size (int(max) + 1)",
+                "param shape from the data (len(np.unique))", "Python control flow on data",
+                "long format"),
+        layout="long", latents=lambda b: {"b": b[:, 0]}, data_dependent_shapes=True,
+        twin=twin.name)
+
+
+def dyestuff_int_model(batch, n_batches, y=None):
+    """Dyestuff with the number of batches passed as a Python ``int`` argument."""
+    mu = numpyro.param("mu", 1000.0)
+    tau = numpyro.param("tau", 10.0, constraint=constraints.positive)
+    sigma = numpyro.param("sigma", 10.0, constraint=constraints.positive)
+    with numpyro.plate("batch", n_batches):
+        b = numpyro.sample("b", dist.Normal(0.0, tau))
+    with numpyro.plate("obs", len(batch)):
+        numpyro.sample("y", dist.Normal(mu + b[batch], sigma), obs=y)
+
+
+def _case_dyestuff_int() -> Case:
+    twin = get_case("dyestuff")
+    return dataclasses.replace(
+        twin, name="dyestuff_int", model=dyestuff_int_model,
+        data={**twin.data, "n_batches": int(twin.n_subjects)},
+        description="lme4 Dyestuff with n_batches a Python int argument (in the data "
+                    "keywords); twin of dyestuff",
+        covers=("LMM", "plate size from a Python int argument", "long format"),
+        data_dependent_shapes=True, twin=twin.name)
+
+
 _BUILDERS = {
     "sleepstudy": _case_sleepstudy,
     "sleepstudy_lme4style": _case_sleepstudy_lme4style,
@@ -828,17 +1310,48 @@ _BUILDERS = {
     "epil": _case_epil,
     "phenobarb": _case_phenobarb,
     "phenobarb_cov": functools.partial(_case_phenobarb, covariates=True),
+    "penicillin": _case_penicillin,
+    "pastes": _case_pastes,
+    "oats": _case_oats,
+    "cbpp_olre": _case_cbpp_olre,
+    "dyestuff2": _case_dyestuff2,
+    "sleepstudy_unique": _case_sleepstudy_unique,
+    "orthodont_bincount": _case_orthodont_bincount,
+    "cbpp_long": _case_cbpp_long,
+    "dyestuff_int": _case_dyestuff_int,
 }
 CASE_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+#: the cases before issue 28 (what examples/saem_unseen.py ran by default then)
+PRE28_CASE_NAMES: tuple[str, ...] = CASE_NAMES[:12]
+#: the cases added for issue 28 (crossed, nested, boundary, data-dependent shapes)
+NEW_CASE_NAMES: tuple[str, ...] = ("penicillin", "pastes", "oats", "cbpp_olre", "dyestuff2",
+                                   "sleepstudy_unique", "orthodont_bincount", "cbpp_long",
+                                   "dyestuff_int")
 
 
 @functools.cache
 def get_case(name: str) -> Case:
-    """The case ``name`` (one of :data:`CASE_NAMES`); built once per process."""
-    if name not in _BUILDERS:
+    """The case ``name`` (one of :data:`CASE_NAMES`, or a sub-case registered by
+    :func:`penicillin_subset`); built once per process."""
+    builder = _BUILDERS.get(name) or _SUB_BUILDERS.get(name)
+    if builder is None:
         raise KeyError(f"unknown case {name!r}; known: {', '.join(CASE_NAMES)}")
     with jax.enable_x64(True):
-        return _BUILDERS[name]()
+        return builder()
+
+
+#: sub-cases (a subset of a case's data, for brute-force checks), by name
+_SUB_BUILDERS: dict = {}
+
+
+def penicillin_subset(n_plates: int, n_samples: int) -> Case:
+    """Penicillin restricted to its first ``n_plates`` plates and ``n_samples`` samples (the
+    same model and reference code), small enough for a brute-force integral over its
+    ``n_plates + n_samples`` crossed latents; registered under ``penicillin[PxS]`` so every
+    function of this module accepts it."""
+    name = f"penicillin[{n_plates}x{n_samples}]"
+    _SUB_BUILDERS[name] = functools.partial(_case_penicillin, n_plates, n_samples)
+    return get_case(name)
 
 
 @functools.cache
@@ -1062,7 +1575,7 @@ def brute_force_loglik(case, params: dict, half_width: float | None = None,
     case = _case(case)
     q = case.n_re
     half_width = case.half_width if half_width is None else half_width
-    m = num_points or {1: 4001, 2: 201, 3: 61}[q]
+    m = num_points or {1: 4001, 2: 201, 3: 61, 4: 31}[q]
     with jax.enable_x64(True):
         th = _theta64(case, params)
         mode, Lc = _jitted(case.name)._frame(th)
@@ -1085,6 +1598,37 @@ def brute_force_loglik(case, params: dict, half_width: float | None = None,
         return np.asarray(logsumexp(jnp.asarray(np.stack(parts, 1)), axis=1))
 
 
+def cbpp_olre_nested_loglik(params: dict, num_points: int = 1201,
+                            half_width: float = 12.0) -> np.ndarray:
+    """Per-herd log-likelihood of ``cbpp_olre`` by NESTED one-dimensional integration, written
+    from the data rows independently of ``log_joint`` and of AGQ: for each row, the integral
+    over its own effect e (trapezoid on ``num_points`` points over ``+-half_width tau_obs``)
+    as a function of the herd effect u on a grid (``+-half_width tau_herd``); then the
+    product over the herd's rows integrated over u. The integrand is smooth and its
+    posterior sd is at least ~0.3 prior sd here, so spacings of 0.02 prior sd make the
+    trapezoid error negligible (1201 and 2001 points agree to 1e-11)."""
+    case = get_case("cbpp_olre")
+    d = case.data
+    with jax.enable_x64(True):
+        th = _theta64(case, params)
+        y, N = _j(d["incidence"]), _j(d["size"])
+        eff = jnp.concatenate([jnp.zeros(1), th["beta_period"]])
+        eta = th["intercept"] + eff[jnp.asarray(d["period"])]
+        z = jnp.linspace(-half_width, half_width, num_points)
+        u, e = th["tau_herd"] * z, th["tau_obs"] * z
+        lpe = norm.logpdf(e, 0.0, th["tau_obs"]) + jnp.log(e[1] - e[0])
+
+        def row(a):
+            eta_r, y_r, n_r = a
+            return logsumexp(_binom_logpmf(y_r, n_r, eta_r + u[:, None] + e[None, :]) + lpe,
+                             axis=1)
+
+        G = jax.lax.map(row, (eta, y, N))  # (rows, u grid)
+        Lh = jax.ops.segment_sum(G, jnp.asarray(d["herd"]), num_segments=case.n_subjects)
+        lpu = norm.logpdf(u, 0.0, th["tau_herd"]) + jnp.log(u[1] - u[0])
+        return np.asarray(logsumexp(Lh + lpu, axis=1))
+
+
 def loglik_grad_hess(case, params: dict) -> tuple[float, np.ndarray, np.ndarray]:
     """Log-likelihood, gradient and Hessian in the unconstrained coordinates (float64) at
     constrained ``params`` (the coordinates are ``ravel_pytree`` of ``biject_to(constraint)
@@ -1098,10 +1642,15 @@ def loglik_grad_hess(case, params: dict) -> tuple[float, np.ndarray, np.ndarray]
 
 
 def reference_log_joint(case, params: dict, b) -> np.ndarray:
-    """The reference's per-subject complete-data log-density ``case.log_joint`` (float64)."""
+    """The reference's per-subject complete-data log-density ``case.log_joint`` (float64),
+    less ``case.log_joint_offset`` (the coordinates the model lacks): the model's part."""
     case = _case(case)
     with jax.enable_x64(True):
-        return np.asarray(case.log_joint(_theta64(case, params), jnp.asarray(b, jnp.float64)))
+        bb = jnp.asarray(b, jnp.float64)
+        lj = case.log_joint(_theta64(case, params), bb)
+        if case.log_joint_offset is not None:
+            lj = lj - case.log_joint_offset(bb)
+        return np.asarray(lj)
 
 
 def model_log_density(case, params: dict, b) -> float:
@@ -1162,8 +1711,133 @@ def _perturbed(u0: np.ndarray, seed: int) -> np.ndarray:
 
 
 @functools.cache
+def _boundary_fns(name: str):
+    case = get_case(name)
+    names = list(case.kinds)
+
+    def f(x):
+        return case.natural_loglik(dict(zip(names, x, strict=True)))
+
+    return names, jax.jit(jax.value_and_grad(f)), jax.jit(jax.hessian(f))
+
+
+def natural_grad_hess(case, quantities: dict) -> tuple[float, np.ndarray, np.ndarray]:
+    """Log-likelihood, gradient and Hessian of a boundary case in its natural coordinates
+    (the quantities: fixed effects and variances, in ``case.kinds`` order), float64. The
+    log-likelihood is smooth there through a zero variance and continues analytically to
+    small negative ones (the marginal covariance stays positive definite), so the derivatives
+    at the boundary are two-sided."""
+    case = _case(case)
+    names, vg, hs = _boundary_fns(case.name)
+    with jax.enable_x64(True):
+        x = jnp.asarray([float(quantities[k]) for k in names], jnp.float64)
+        v, g = vg(x)
+        return float(v), np.asarray(g), np.asarray(hs(x))
+
+
+def _exact_mle_boundary(name: str) -> dict:
+    """The exact maximum of a case whose ML variances ``case.boundary`` are 0: maximised over
+    the natural coordinates with those variances bounded below by 0 (L-BFGS-B from the
+    user's init and from a perturbed start), then polished by Newton steps on the free
+    coordinates with the boundary variances at exactly 0, where the KKT conditions are
+    checked: zero gradient in the free coordinates, a strictly negative derivative in each
+    boundary variance (the likelihood falls when it leaves 0)."""
+    from scipy.optimize import minimize
+
+    case = get_case(name)
+    init, _ = _spec(name)
+    names, vg, hs = _boundary_fns(name)
+    var = [case.kinds[k] == "variance" for k in names]
+    bnd = np.array([k in case.boundary for k in names])
+    t0 = time.perf_counter()
+    with jax.enable_x64(True):
+        q0 = case.quantities({k: jnp.asarray(v) for k, v in init.items()})
+        x0 = np.array([float(q0[k]) for k in names])
+
+        def fun(x):
+            v, g = vg(jnp.asarray(x))
+            v, g = float(v), np.asarray(g, np.float64)
+            if not np.isfinite(v) or not np.all(np.isfinite(g)):
+                return np.inf, np.zeros_like(g)
+            return -v, -g
+
+        bounds = [(0.0, None) if b else (1e-12, None) if v else (None, None)
+                  for v, b in zip(var, bnd, strict=True)]
+        rng = np.random.default_rng(1)
+        starts = [x0, np.where(var, x0 * np.exp(rng.normal(size=x0.shape) * 0.5),
+                               x0 + rng.normal(size=x0.shape) * (0.3 + 0.2 * np.abs(x0)))]
+        runs = []
+        for s in starts:
+            res = minimize(fun, s, jac=True, method="L-BFGS-B", bounds=bounds,
+                           options={"ftol": 1e-15, "gtol": 1e-10, "maxiter": 20000})
+            x = np.asarray(res.x, np.float64)
+            x[bnd] = 0.0
+            free = ~bnd
+            for _ in range(20):  # Newton on the face {boundary variances = 0}
+                _, g = fun(x)
+                H = -np.asarray(hs(jnp.asarray(x)))
+                step = np.linalg.solve(H[np.ix_(free, free)], -g[free])
+                if not np.all(np.isfinite(step)):
+                    break
+                x[free] = x[free] + step
+                if np.max(np.abs(step)) < 1e-13 * (1 + np.max(np.abs(x))):
+                    break
+            runs.append((x, -fun(x)[0], res.x))
+        best = int(np.argmax([r[1] for r in runs]))
+        x, ll = runs[best][:2]
+        v, g = vg(jnp.asarray(x))
+        g = np.asarray(g)
+        H = -np.asarray(hs(jnp.asarray(x)))
+        free = ~bnd
+        Hf = H[np.ix_(free, free)]
+        eig = np.linalg.eigvalsh(Hf)
+        if eig.min() <= 0:
+            raise RuntimeError(f"{name}: information on the boundary face not positive "
+                               f"definite ({eig})")
+        cov_f = np.linalg.inv(Hf)
+        se_f = np.sqrt(np.diag(cov_f))
+        if np.any(g[bnd] >= 0):
+            raise RuntimeError(f"{name}: not a boundary maximum: d loglik / d "
+                               f"{[k for k, b in zip(names, bnd, strict=True) if b]} = "
+                               f"{g[bnd]} (must be < 0)")
+        for xx, lli, raw in runs:
+            if abs(lli - ll) > 1e-6 or np.max(np.abs(xx - x)[free] / se_f) > 1e-3:
+                raise RuntimeError(f"{name}: the restarts disagree: loglik {lli} vs {ll}")
+            if np.any(raw[bnd] > 1e-6 * (1 + np.abs(x[~bnd]).max())):
+                raise RuntimeError(f"{name}: the bounded optimiser stopped off the boundary "
+                                   f"({raw[bnd]})")
+        # se: free quantities from the information of the model on the face (the boundary
+        # variances held at 0, as lme4 reports a singular fit); boundary variances from the
+        # full two-sided information (not a sampling SE there: a curvature scale for the
+        # targets). cov: the full inverse information (boundary rows included).
+        cov = np.linalg.inv(H)
+        se = np.sqrt(np.diag(cov))
+        se[free] = se_f
+        th = case.from_natural(dict(zip(names, jnp.asarray(x), strict=True)))
+        out = {
+            "params": {k: np.asarray(th[k], np.float64).reshape(np.shape(init[k]))
+                       for k in init},
+            "loglik": float(ll),
+            "m2ll": float(-2 * ll),
+            "quantities": {k: float(xi) for k, xi in zip(names, x, strict=True)},
+            "se": dict(zip(names, se.tolist(), strict=True)),
+            "cov": cov,
+            "grad_max": float(np.max(np.abs(g[free]))),
+            "newton_decrement": float(g[free] @ cov_f @ g[free]),
+            "info_min_eig": float(eig.min()),
+            "restarts_m2ll": [float(-2 * r[1]) for r in runs],
+            "boundary": {k: {"grad": float(gi), "se_two_sided": float(si)}
+                         for k, gi, si, b in zip(names, g, se, bnd, strict=True) if b},
+            "seconds": time.perf_counter() - t0,
+        }
+    return out
+
+
+@functools.cache
 def _exact_mle(name: str) -> dict:
     case = get_case(name)
+    if case.boundary:
+        return _exact_mle_boundary(name)
     fns = _jitted(name)
     init, cons = _spec(name)
     t0 = time.perf_counter()
@@ -1227,6 +1901,8 @@ def _fingerprint(case: Case) -> str:
     h = hashlib.sha256()
     init, _ = _spec(case.name)
     for k in sorted(case.data):
+        if not hasattr(case.data[k], "shape"):  # a static argument (nlme's binding)
+            continue
         a = np.asarray(case.data[k])
         h.update(k.encode() + str(a.dtype).encode() + a.tobytes())
     for k in sorted(init):
@@ -1242,7 +1918,7 @@ def _to_json(case: Case, r: dict) -> dict:
         "se": r["se"], "cov": np.asarray(r["cov"]).tolist(), "grad_max": r["grad_max"],
         "newton_decrement": r["newton_decrement"], "info_min_eig": r["info_min_eig"],
         "restarts_m2ll": r["restarts_m2ll"], "seconds": r["seconds"],
-    }
+    } | ({"boundary": r["boundary"]} if "boundary" in r else {})
 
 
 @functools.lru_cache(maxsize=1)
@@ -1290,7 +1966,9 @@ def compare(case, est_params: dict, m2ll_at_est: float | None = None,
     Per quantity (``quantities``): ``ref``, ``est``, ``se``, ``err`` (est - ref), ``err_se``
     (err / se), ``rel`` (err / |ref|; for a covariance err / sqrt(var_a var_b)), ``tol`` and
     ``ok``: fixed effects ``|err| <= max(0.2 se, 0.01 |ref|)``, variances ``|err| <=
-    max(0.3 se, 0.10 |ref|)`` (covariances: 0.10 sqrt(var_a var_b)).
+    max(0.3 se, 0.10 |ref|)`` (covariances: 0.10 sqrt(var_a var_b)); a variance whose ML value
+    is 0 (``case.boundary``) within ``0.05 / |g|``, ``g < 0`` the derivative of the
+    log-likelihood in that variance at 0 (so it costs at most 0.1 in -2LL).
     ``m2ll_exact_at_est`` (exact -2 loglik at the estimate) minus the exact minimum ``m2ll``
     is ``m2ll_gap`` (>= 0 up to round-off), required <= 0.5. The argument ``m2ll_at_est`` is
     the library's own estimate of -2 loglik at its estimate (e.g. by importance sampling); it
@@ -1312,6 +1990,11 @@ def compare(case, est_params: dict, m2ll_at_est: float | None = None,
             k_se, k_rel = ((FIXED_TOL_SE, FIXED_TOL_REL) if kind == "fixed"
                            else (VAR_TOL_SE, VAR_TOL_REL))
         tol = max(k_se * se, k_rel * scale)
+        if name in case.boundary:
+            # a variance whose ML value is 0: -2LL rises by ~2 |g| v when it is v > 0 (g < 0
+            # the one-sided derivative at 0); v <= 0.05 / |g| costs at most 0.1, a fifth of
+            # the -2LL target (the two-sided se is a curvature scale, not a sampling SE)
+            tol = 0.05 / abs(ref["boundary"][name]["grad"])
         err = e - r
         ok = bool(abs(err) <= tol)
         rows[name] = {"kind": kind, "ref": r, "est": e, "se": se, "err": err,

@@ -61,7 +61,7 @@ def _handmade() -> pd.DataFrame:
 EXPECTED_OBS = Observations(
     time=[[1, 2, 4], [3, 12.5, 14], [6, 30, 30]],  # padding: last real time
     dv=[[5, 4, 0.5], [8, 2, 0.2], [1.5, 1.2, 0]],  # censored with DV missing: the LLOQ
-    cmt=[[2, 2, 2], [2, 2, 2], [2, 2, 1]],
+    cmt=[[2, 2, 2], [2, 2, 2], [2, 2, 0]],  # padding: 0
     cens=[[F, F, T], [F, F, T], [F, F, F]],
     lloq=[[0, 0, 1], [0, 0, 0.2], [0, 0, 0]],
     mask=[[T, T, T], [T, T, T], [T, T, F]],
@@ -196,7 +196,7 @@ def test_optional_columns_absent():
     np.testing.assert_array_equal(ds.doses.cmt, [[1], [1]])
     np.testing.assert_array_equal(ds.doses.rate, [[0], [0]])
     np.testing.assert_array_equal(ds.obs.time, [[1, 2], [3, 3]])
-    np.testing.assert_array_equal(ds.obs.cmt, [[1, 1], [1, 1]])
+    np.testing.assert_array_equal(ds.obs.cmt, [[0, 0], [0, 0]])
     assert not ds.obs.cens.any() and not ds.doses.ss.any()
     assert ds.covariates == {} and ds.time_varying == {} and len(ds.ignored) == 0
     # no AMT column at all: observations only, one padding dose column
@@ -348,7 +348,12 @@ def test_phenobarb(phenobarb_raw, phenobarb_nonmem):
     np.testing.assert_allclose(ds.obs.dv[ds.obs.mask].sum(), raw["conc"].sum(), rtol=1e-5)
     # the library loader agrees with this independent conversion
     lib = load_phenobarb()
-    for a, b in zip((*lib.obs, *lib.doses), (*ds.obs, *ds.doses), strict=True):
+    # observation compartments: the loader writes CMT 1 (the central compartment of the IV
+    # model), the table here has no CMT column (0: the model's observed compartment)
+    np.testing.assert_array_equal(lib.obs.cmt, np.where(lib.obs.mask, 1, 0))
+    assert (ds.obs.cmt == 0).all()
+    lib_obs, ds_obs = lib.obs._replace(cmt=None), ds.obs._replace(cmt=None)
+    for a, b in zip((*lib_obs, *lib.doses), (*ds_obs, *ds.doses), strict=True):
         np.testing.assert_array_equal(a, b)
     assert set(lib.covariates) == {"WT", "APGAR", "APGARIND"}
     np.testing.assert_array_equal(lib.covariates["WT"], ds.covariates["Wt"])
@@ -549,11 +554,19 @@ def test_error_steady_state_without_interval():
     assert ds.doses.ss[1, 0] and ds.doses.ii[1, 0] == 12
 
 
-@pytest.mark.parametrize("cmt", [1.5, 0, -1, NAN])
-def test_error_compartment(cmt):
+@pytest.mark.parametrize("row, cmt", [(1, 1.5), (1, -1), (0, 1.5), (0, 0), (0, -1), (0, NAN)])
+def test_error_compartment(row, cmt):
     with pytest.raises(ValueError, match=r"'CMT' \(cmt=\) must be a positive integer .* at "
-                       r"subject 1, row 1"):  # fmt: skip
-        PKDataset.from_dataframe(_set(_base(), 1, CMT=cmt))
+                       rf"subject 1, row {row}"):  # fmt: skip
+        PKDataset.from_dataframe(_set(_base(), row, CMT=cmt))
+
+
+@pytest.mark.parametrize("cmt", [0, NAN, "."])
+def test_observation_compartment_zero_or_missing_is_the_observed_one(cmt):
+    """CMT 0 or missing on an observation row: the model's observed compartment (NONMEM),
+    stored as 0."""
+    ds = PKDataset.from_dataframe(_set(_base().astype({"CMT": object}), 1, CMT=cmt))
+    assert ds.obs.cmt[0, 0] == 0 and ds.obs.cmt[0, 1] == 1
 
 
 def test_error_duplicated_rows():

@@ -51,7 +51,9 @@ def test_model_sites_and_full_omega():
     params = sorted(k for k, v in tr.items() if v["type"] == "param")
     assert params == ["a", "beta_CL_WT", "beta_V_APGARIND_1", "beta_V_WT", "mu_CL", "mu_V",
                       "omega_CL", "omega_V"]
-    assert pk.references["WT"] == pytest.approx(float(np.median(data.covariates["WT"])))
+    assert pk.bind(data).references["WT"] == pytest.approx(
+        float(np.median(data.covariates["WT"])))
+    assert pk.references == {} and not pk.is_bound  # arrays() does not change the model
     assert tr["phi_CL"]["value"].shape == (59,)
     assert tr["dv"]["value"].shape == (59, 6)
     full = nlme.PKModel(nlme.one_compartment(absorption=None),
@@ -76,7 +78,7 @@ def test_samples_before_a_dose_at_the_same_time_follow_the_record_order():
     data = nlme.PKDataset.from_dataframe(df)
     pk = nlme.PKModel(nlme.one_compartment(absorption=None), params={"CL": 1.0, "V": 10.0})
     a = pk.arrays(data)
-    assert pk.record_order
+    assert a["binding"].record_order and pk.bind(data).record_order
     ind = {"CL": jnp.array([1.0, 1.0]), "V": jnp.array([10.0, 10.0])}
     f = np.asarray(pk.predict(ind, jnp.asarray(a["obs_time"]),
                               nlme.Doses(*(jnp.asarray(a[k]) for k in (

@@ -225,6 +225,54 @@ def test_steady_state_matches_many_doses():
             assert rel_err(ss, ref) < 1e-6, (n, a, rel_err(ss, ref))
 
 
+def test_depot_and_compartment_amounts_match_the_ode_solution():
+    """An observation of the depot (``cmt=1`` with first-order absorption) is predicted as
+    NONMEM does without a scale S1: the depot amount. Every first-order model, every route
+    of ``oral_cases`` (depot bolus and infusion, central and peripheral doses), TLAG and F,
+    against the ODE's depot state (the ODE predicting each observation's compartment: its
+    amount, or ``observe`` for the central one); 1e-8 of the peak amount (measured <= 6e-12,
+    the ODE's own error: rtol 1e-10, atol 1e-12). ``cmt`` 0 or central is the central
+    concentration, bit for bit; a mix per observation picks each; a compartment the closed
+    form does not compute is NaN. The depot at steady state (bolus, infusion; lag; reset by
+    the SS dose, a later dose added) equals 200 doses every ii (1e-9 relative)."""
+    with jax.enable_x64(True):
+        t = jnp.asarray(TIMES)
+        ones = jnp.ones(t.shape, jnp.int32)
+        for n in (1, 2, 3):
+            model = model_for(n, "first_order")
+            p = params_for(model)
+            ode_p = dict(TRUE, Q=TRUE["Q"] * (n > 1), Q3=TRUE["Q3"] * (n > 2))
+            for d in oral_cases(n):
+                dep = np.asarray(model(p, t, d, cmt=ones))
+                ref = np.asarray(LINEAR_ODE(ode_p, t, d, cmt=ones))
+                # the depot empties fast: relative to its peak (the ODE's atol is 1e-12)
+                err = np.max(np.abs(dep - ref)) / np.max(np.abs(ref))
+                assert err < 1e-8, (n, err)
+                assert np.all(dep[TIMES < 1.4] == 0.0) and np.all(dep >= 0)
+                central = np.asarray(model(p, t, d))
+                np.testing.assert_array_equal(np.asarray(model(p, t, d, cmt=0 * ones)), central)
+                np.testing.assert_array_equal(np.asarray(model(p, t, d, cmt=2 * ones)), central)
+                mix = np.asarray(model(p, t, d, cmt=jnp.where(jnp.arange(40) % 2 == 0, 1, 2)))
+                np.testing.assert_array_equal(mix[::2], dep[::2])
+                np.testing.assert_array_equal(mix[1::2], central[1::2])
+                assert np.all(np.isnan(np.asarray(model(p, t, d, cmt=3 * ones))))
+                # the ODE's own central compartment: observe (A_central / V)
+                np.testing.assert_array_equal(
+                    np.asarray(LINEAR_ODE(ode_p, t, d, cmt=2 * ones)),
+                    np.asarray(LINEAR_ODE(ode_p, t, d)))
+        model = model_for(1, "first_order")
+        p = params_for(model, dict(TRUE, TLAG=1.5))
+        ii, n_rep = 12.0, 200
+        tt = jnp.asarray(np.linspace(100.0, 150.0, 40))
+        for rate in (0.0, 40.0):
+            ss = make_doses([(50.0, 70.0, 0.0, 1), (100.0, 100.0, rate, 1, True, ii),
+                             (130.0, 60.0, 0.0, 1)])
+            train = [(100.0 - ii * m, 100.0, rate, 1) for m in range(n_rep)][::-1]
+            ref = make_doses(train + [(130.0, 60.0, 0.0, 1)], n=n_rep + 2)
+            c = jnp.ones(tt.shape, jnp.int32)
+            assert rel_err(model(p, tt, ss, cmt=c), model(p, tt, ref, cmt=c)) < 1e-9
+
+
 def test_padding_and_times_before_the_first_dose():
     """Padding doses (mask False) add exactly 0, whatever their fields hold (NaN included);
     before the first dose (+ lag) the prediction is exactly 0. (Derivatives with junk

@@ -96,6 +96,10 @@ class ClientProblem:
         default: this client's size).
     :param index: this client's position ``i`` in the federation (its minibatch words are
         those of client ``i`` under the step's batch key).
+    :param potential: optional :class:`~numpyro_fed.potential.FederatedPotential` of
+        ``model`` on exactly these ``rows`` and ``shared`` (one client, ``check=False``), to
+        reuse instead of building it again (its construction traces the model: the costly
+        part of this constructor).
     """
 
     def __init__(
@@ -108,10 +112,14 @@ class ClientProblem:
         shared: Mapping[str, Any] | None = None,
         max_size: int | None = None,
         index: int = 0,
+        potential: FederatedPotential | None = None,
     ) -> None:
         index = check_int("index", index, minimum=0)
-        part = ClientPartition.from_clients([dict(rows)], shared=shared)
-        self.potential = pot = FederatedPotential(model, part, prior="split", check=False)
+        if potential is None:
+            part = ClientPartition.from_clients([dict(rows)], shared=shared)
+            potential = FederatedPotential(model, part, prior="split", check=False)
+        part = potential.partition
+        self.potential = pot = potential
         self.rows = {k: v[0] for k, v in part.data.items()}
         self.size = jnp.asarray(part.sizes)[0]
         self.mask = jnp.ones((int(part.sizes_np[0]),), bool)

@@ -15,6 +15,11 @@ from numpyro_fed.flower.apps import (
     make_server_app,
     serve,
 )
+from numpyro_fed.flower.checks import (
+    ClientMismatchError,
+    DeploymentError,
+    ParticipationError,
+)
 from numpyro_fed.flower.codecs import (
     WireCodec,
     WireFormatError,
@@ -39,10 +44,13 @@ from numpyro_fed.flower.runner import (
 
 __all__ = [
     "FAULTS",
+    "ClientMismatchError",
     "ClientWorker",
+    "DeploymentError",
     "FlowerSpec",
     "GridTransport",
     "LoopbackGrid",
+    "ParticipationError",
     "PollingGrid",
     "ServerCoordinator",
     "WireCodec",

@@ -11,7 +11,9 @@ Messages (``message_type="query"``; Flower's Message API, ``flwr>=1.20``):
 * client -> server: ``RecordDict({"meta": ConfigRecord, "reply": ArrayRecord})`` with the
   round, the declared bits and one ``uint8`` ``payload``: the compressed message in the
   bit-exact format of :mod:`numpyro_fed.flower.codecs`. Nothing else leaves a client (the
-  ``hello`` reply carries its index, its number of rows and the shapes/dtypes of a row).
+  ``hello`` reply carries its index, its number of rows, the shapes/dtypes of a row and the
+  fingerprint of its model and settings, computed on synthetic data only:
+  :mod:`numpyro_fed.flower.checks`).
 
 The client keeps its state in ``context.state`` (records ``numpyro_fed.arrays`` and
 ``numpyro_fed.ints``), which the SuperNode persists between the messages of a run.
@@ -33,6 +35,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid, ServerApp
 
+from numpyro_fed.flower.checks import DeploymentError
 from numpyro_fed.flower.protocol import ClientWorker, FlowerSpec, Reply, ServerCoordinator
 from numpyro_fed.flower.results import to_inference_data
 from numpyro_fed.kernels.base import DivergenceError
@@ -96,12 +99,16 @@ def _save_state(context: Context, state: Mapping[str, Any]) -> None:
 
 def make_client_app(
     load_data: Callable[[Context], tuple[int, Mapping, Mapping]] = load_npz_data,
+    *, worker: type[ClientWorker] = ClientWorker,
 ) -> ClientApp:
     """A Flower ``ClientApp`` holding one client's data and state.
 
     :param load_data: ``context -> (index, rows, shared)``; default :func:`load_npz_data`.
+    :param worker: the :class:`~numpyro_fed.flower.protocol.ClientWorker` class (a subclass
+        customises the client, e.g. how it imports the model).
     """
     app = ClientApp()
+    make_worker = worker
     workers: dict[tuple, ClientWorker] = {}  # one per (run, node) in a long-lived process
 
     @app.query()
@@ -110,7 +117,7 @@ def make_client_app(
         worker = workers.get(key)
         if worker is None:
             index, rows, shared = load_data(context)
-            worker = workers[key] = ClientWorker(index, rows, shared)
+            worker = workers[key] = make_worker(index, rows, shared)
         cmd = dict(msg.content["cmd"])
         arrays = {}
         if "arrays" in msg.content:
@@ -255,9 +262,10 @@ def make_server_app(spec: FlowerSpec | None = None, *, output: str | None = None
 def serve_and_write(grid: Grid, spec: FlowerSpec, path: str | os.PathLike | None,
                     **kwargs: Any) -> ServerCoordinator:
     """The body of the ``ServerApp``: run the server, write the draws to ``path`` (NetCDF)
-    when given. A :class:`~numpyro_fed.DivergenceError` is also written, to
-    :func:`error_path` of ``path``, before it propagates, so that the process that launched
-    the run raises it in turn (:func:`~numpyro_fed.flower.runner.run_processes`)."""
+    when given. A :class:`~numpyro_fed.DivergenceError` or a
+    :class:`~numpyro_fed.flower.checks.DeploymentError` (clients refused or gone) is also
+    written, to :func:`error_path` of ``path``, before it propagates, so that the process that
+    launched the run raises it in turn (:func:`~numpyro_fed.flower.runner.run_processes`)."""
     try:
         coord = serve(grid, spec, **kwargs)
     except DivergenceError as err:
@@ -265,6 +273,12 @@ def serve_and_write(grid: Grid, spec: FlowerSpec, path: str | os.PathLike | None
             Path(error_path(path)).write_text(json.dumps({
                 "type": "DivergenceError", "message": str(err).split("\n")[0],
                 "iteration": err.iteration, "chain": err.chain}))
+        raise
+    except DeploymentError as err:
+        if path:
+            Path(error_path(path)).write_text(json.dumps({
+                "type": type(err).__name__, "message": str(err),
+                "rounds": getattr(err, "rounds", None), "clients": getattr(err, "clients", None)}))
         raise
     if path:
         to_inference_data(coord).to_netcdf(str(path))

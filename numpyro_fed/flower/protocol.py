@@ -97,6 +97,18 @@ from numpyro_fed.algorithms.variants import (
     variant_of_algorithm,
 )
 from numpyro_fed.compressors import Compressor, CompressorSpec, get_compressor
+from numpyro_fed.flower.checks import (
+    PROBE_SETS,
+    ClientMismatchError,
+    DeploymentError,
+    ParticipationMonitor,
+    nonfinite_rows_message,
+    probe_difference,
+    probe_rows,
+    probe_values,
+    spec_differences,
+    spec_settings,
+)
 from numpyro_fed.flower.codecs import (
     WireCodec,
     WireFormatError,
@@ -203,6 +215,16 @@ class FlowerSpec:
     :param round_timeout: seconds the server waits for the replies of a round.
     :param init: ``"uniform"`` (NumPyro's ``init_to_uniform`` with the kernel's key) or
         ``"zeros"`` (unconstrained zeros).
+    :param max_empty_rounds: the run stops with a
+        :class:`~numpyro_fed.flower.checks.ParticipationError` naming the rounds after this
+        many consecutive rounds in which clients were asked and none answered (a random walk
+        without data); ``0`` never stops. See
+        :class:`~numpyro_fed.flower.checks.ParticipationMonitor`.
+    :param min_participation: the run stops with a
+        :class:`~numpyro_fed.flower.checks.ParticipationError` when the share of the
+        requests that were answered (the observed participation over the declared
+        ``participation``) is significantly below this (a binomial-tail test, whole run and
+        last 100 rounds, false-alarm probability below 1e-6 per run); ``0`` never stops.
     """
 
     algorithm: str
@@ -228,6 +250,8 @@ class FlowerSpec:
     seed: int = 0
     round_timeout: float = 60.0
     init: str = "uniform"
+    max_empty_rounds: int = 3
+    min_participation: float = 0.5
 
     def __post_init__(self) -> None:
         if self.algorithm not in _ALGORITHMS:
@@ -251,6 +275,10 @@ class FlowerSpec:
                                                       self.likelihood_weight)
         self.round_timeout = check_positive_float("round_timeout", self.round_timeout,
                                                   what=" (seconds)")
+        self.max_empty_rounds = check_int("max_empty_rounds", self.max_empty_rounds, minimum=0)
+        self.min_participation = check_float(
+            "min_participation", self.min_participation, low=0.0, high=1.0,
+            what=" (the share of requests that must be answered; 0 switches the check off)")
         self.theta_star_gtol = check_positive_float("theta_star_gtol", self.theta_star_gtol)
         self.theta_star_lr = check_positive_float("theta_star_lr", self.theta_star_lr)
         for name in ("compressor", "downlink"):
@@ -407,12 +435,14 @@ class ClientWorker:
         self.shared = dict(shared or {})
         self._problem: ClientProblem | None = None
         self._problem_key: tuple | None = None
+        self._potential: FederatedPotential | None = None
         self._codec: WireCodec | None = None
         self._down: WireCodec | None = None
 
     def schema_error(self) -> str | None:
         """Why this client's rows cannot be used (no keys, a scalar, keys with different
-        numbers of rows), or ``None``."""
+        numbers of rows, a NaN or infinite value in a floating-point row: named by this
+        client's partition id and its own row), or ``None``."""
         if not self.rows:
             return f"client {self.index} holds no data arrays"
         counts = {}
@@ -424,7 +454,9 @@ class ClientWorker:
         if len(set(counts.values())) > 1:
             return (f"client {self.index}'s data keys have different numbers of rows "
                     f"{counts}; every key must have one row per observation")
-        return None
+        # checked here, where the partition id is known: the ClientPartition of one client
+        # that ClientProblem builds would call any client "client 0"
+        return nonfinite_rows_message(self.index, self.rows)
 
     def schema(self) -> dict[str, Any]:
         """Shapes and dtypes of one row (no values) and the number of rows."""
@@ -434,14 +466,51 @@ class ClientWorker:
             "size": n,
         }
 
+    def load_model(self, spec: FlowerSpec) -> Callable:
+        """The model this client runs: ``spec.model`` imported on this machine (another
+        version of its module gives another model: the ``hello`` fingerprint tells)."""
+        return load_model(spec.model)
+
+    def make_problem(self, spec: FlowerSpec, prior_weight: float,
+                     max_size: int | None) -> ClientProblem:
+        """The :class:`~numpyro_fed.algorithms.oracles.ClientProblem` of this client under
+        ``spec``: the one construction of its potential, used for the steps and for the
+        ``hello`` probe (:meth:`fingerprint`), so the probe checks what the steps compute.
+        The model's :class:`~numpyro_fed.potential.FederatedPotential` on this client's rows
+        is built once (its construction traces the model) and reused."""
+        model = self.load_model(spec)
+        if self._potential is None or self._potential.model is not model:
+            part = ClientPartition.from_clients([dict(self.rows)], shared=self.shared)
+            self._potential = FederatedPotential(model, part, prior="split", check=False)
+        return ClientProblem(
+            model, self.rows, prior_weight=prior_weight,
+            likelihood_weight=spec.likelihood_weight, shared=self.shared, max_size=max_size,
+            index=self.index, potential=self._potential,
+        )
+
+    def fingerprint(self, spec_json: str) -> dict[str, Any]:
+        """The ``hello`` fingerprint (:mod:`numpyro_fed.flower.checks`): the settings this
+        client parsed from the server's spec (``settings``, JSON) and its potential on the
+        synthetic probe of its row schema (``probe``, JSON list of :math:`2d + 2` numbers),
+        or why they could not be computed (``settings_error`` / ``probe_error``). Nothing
+        of the client's data is in it."""
+        try:
+            spec = FlowerSpec.from_config(json.loads(spec_json))
+        except (TypeError, ValueError, KeyError) as err:
+            return {"settings_error": f"{type(err).__name__}: {err}"}
+        out: dict[str, Any] = {"settings": json.dumps(spec_settings(spec.to_config()))}
+        try:  # the potential this client would run (its model, weight, shared arguments)
+            prob = self.make_problem(spec, 1.0, None)
+        except Exception as err:  # noqa: BLE001 - reported to the server, which decides
+            return {**out, "probe": json.dumps({"error": f"{type(err).__name__}: {err}"})}
+        schema = {k: (v.shape[1:], v.dtype) for k, v in self.rows.items()}
+        out["probe"] = json.dumps(probes(prob.potential, prob.tau, schema))
+        return out
+
     def _setup(self, spec: FlowerSpec, prior_weight: float, max_size: int) -> ClientProblem:
         key = (json.dumps(spec.to_config(), sort_keys=True), prior_weight, max_size)
         if self._problem is None or self._problem_key != key:
-            self._problem = ClientProblem(
-                load_model(spec.model), self.rows, prior_weight=prior_weight,
-                likelihood_weight=spec.likelihood_weight, shared=self.shared, max_size=max_size,
-                index=self.index,
-            )
+            self._problem = self.make_problem(spec, prior_weight, max_size)
             d = self._problem.dim
             self._codec = codec_for(spec.compressor, d)
             self._down = codec_for(spec.downlink, d)
@@ -493,9 +562,11 @@ class ClientWorker:
                state: dict[str, Any]) -> tuple[dict[str, Any], np.ndarray, dict[str, Any]]:
         """Answer one instruction.
 
-        Phases: ``hello`` (index and data schema), ``init`` (ELF: model :math:`w_0` in, dense
-        :math:`\\nabla U_i(w_0)` out), ``grad`` (QLSD* search: dense :math:`\\nabla U_i(\\theta)`),
-        ``star`` (QLSD*: keep :math:`\\theta^\\star`, return :math:`\\nabla U_i(\\theta^\\star)`),
+        Phases: ``hello`` (index and data schema; with the server's ``spec``, the
+        fingerprint of this client's model and settings, :meth:`fingerprint`), ``init``
+        (ELF: model :math:`w_0` in, dense :math:`\\nabla U_i(w_0)` out), ``grad``
+        (QLSD* search: dense :math:`\\nabla U_i(\\theta)`), ``star``
+        (QLSD*: keep :math:`\\theta^\\star`, return :math:`\\nabla U_i(\\theta^\\star)`),
         ``step`` (one iteration of the kernel).
 
         :param cmd: scalars of the instruction (``phase``, ``round``, ``ack``, ...).
@@ -509,8 +580,10 @@ class ClientWorker:
             if problem is not None:
                 return {"phase": "hello", "index": self.index,
                         "data_error": problem}, np.zeros(0, np.uint8), state
-            return {"phase": "hello", "index": self.index,
-                    "schema": json.dumps(self.schema())}, np.zeros(0, np.uint8), state
+            meta = {"phase": "hello", "index": self.index, "schema": json.dumps(self.schema())}
+            if "spec" in cmd:  # the server's settings: answer with this client's fingerprint
+                meta.update(self.fingerprint(str(cmd["spec"])))
+            return meta, np.zeros(0, np.uint8), state
         if "spec" in cmd:  # first contact: the run's settings, kept in the client's state
             state = {**state, "spec": cmd["spec"], "prior_weight": float(cmd["prior_weight"]),
                      "max_size": int(cmd["max_size"])}
@@ -624,6 +697,27 @@ class ClientWorker:
             eta = state["eta"] = np.zeros(d, np.float32)
         h = qlsd_core.client_message(h, jnp.asarray(eta), spec.memory_rate)
         return h, client_key(k_comp, self.index, b)
+
+
+def probes(potential: FederatedPotential, likelihood_weight: Any,
+           schema: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`~numpyro_fed.flower.checks.probe_values` of a potential on each synthetic
+    data set of :data:`~numpyro_fed.flower.checks.PROBE_SETS` for the row ``schema``:
+    ``{kind: list of 2d + 2 numbers}``, or ``{kind: "why it failed"}`` (the server compares
+    on the sets where its own model is finite; values outside a likelihood's support give
+    ``-inf``, and NumPyro's warnings about them are meaningless here and silenced)."""
+    import warnings
+
+    out: dict[str, Any] = {}
+    for kind in PROBE_SETS:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out[kind] = probe_values(potential, likelihood_weight,
+                                         probe_rows(schema, kind)).tolist()
+        except Exception as err:  # noqa: BLE001 - reported to the server, which decides
+            out[kind] = f"{type(err).__name__}: {err}"
+    return out
 
 
 def _check_schemas(schemas: Mapping[int, Mapping], sizes: np.ndarray,
@@ -766,6 +860,8 @@ class ServerCoordinator:
         self.g_star: jax.Array | None = None
         self.theta_star_search: Any = None
         self.shadow_models: np.ndarray | None = None
+        #: why each client asked in the last round is absent (``{client: reason}``)
+        self.absent: dict[int, str] = {}
 
     # -- helpers ------------------------------------------------------------------------
     def _discover(self) -> None:
@@ -778,34 +874,65 @@ class ServerCoordinator:
             if len(nodes) >= spec.num_clients:
                 break
             if time.monotonic() - t0 > self.wait_nodes:
-                raise RuntimeError(
+                raise DeploymentError(
                     f"only {len(nodes)} of num_clients={spec.num_clients} clients connected "
                     f"within {self.wait_nodes:.0f} s; start more SuperNodes or lower num_clients"
                 )
             sleep(0.5)
+        # the spec goes with the hello: each client answers with its fingerprint
         replies, _ = self.transport.exchange(
-            {n: ({"phase": "hello"}, {}) for n in nodes}, "hello", -1, spec.round_timeout
+            {n: ({"phase": "hello", "spec": self._spec_json}, {}) for n in nodes}, "hello", -1,
+            spec.round_timeout
         )
-        index_of: dict[int, int] = {}
-        schemas: dict[int, dict] = {}
-        sizes = np.zeros(spec.num_clients, np.int64)
-        for node, rep in replies.items():
+        b = spec.num_clients
+        claims: dict[int, list[int]] = {}  # partition id -> the nodes announcing it
+        problems: list[str] = []  # why nodes that answered cannot be used
+        for node in nodes:
+            rep = replies.get(node)
+            if rep is None:
+                problems.append(f"node {node} did not answer in {spec.round_timeout:g} s")
+                continue
             if rep.error is not None:
+                problems.append(f"node {node} failed: {rep.error}")
                 log.warning("node %s did not answer hello: %s", node, rep.error)
                 continue
-            i = int(rep.meta.get("index", -1))
-            if not 0 <= i < spec.num_clients or i in index_of.values():
-                log.warning("node %s announced an invalid or duplicate client index %s", node, i)
+            try:
+                i = int(rep.meta.get("index", -1))
+            except (TypeError, ValueError):
+                i = -1
+            if not 0 <= i < b:
+                problems.append(f"node {node} announced partition id {rep.meta.get('index')!r}, "
+                                f"outside 0..{b - 1}")
+                log.warning("node %s announced partition id %r outside 0..%d", node,
+                            rep.meta.get("index"), b - 1)
                 continue
-            if "data_error" in rep.meta:
-                raise ValueError(f"Flower deployment: {rep.meta['data_error']}.")
-            index_of[node] = i
-            info = json.loads(rep.meta["schema"])
+            claims.setdefault(i, []).append(node)
+        dup = {i: ns for i, ns in sorted(claims.items()) if len(ns) > 1}
+        if dup:
+            what = "; ".join(f"duplicate partition id {i} (nodes "
+                             f"{', '.join(map(str, ns[:-1]))} and {ns[-1]})"
+                             for i, ns in dup.items())
+            raise DeploymentError(
+                f"Flower deployment: {what}: two SuperNodes run the same client, so "
+                f"partition ids {sorted(set(range(b)) - set(claims))} have no client. Start "
+                f"each SuperNode with its own --node-config \"partition-id=i ...\" (i in "
+                f"0..{b - 1}).")
+        for i in sorted(claims):  # data errors name the client by its partition id
+            meta = replies[claims[i][0]].meta
+            if "data_error" in meta:
+                raise ValueError(f"Flower deployment: {meta['data_error']}.")
+        missing = sorted(set(range(b)) - set(claims))
+        if missing:
+            raise DeploymentError(
+                f"Flower deployment: clients {missing} did not answer the hello round"
+                + (f" ({'; '.join(problems)})" if problems else "") + ".")
+        index_of = {ns[0]: i for i, ns in claims.items()}
+        schemas: dict[int, dict] = {}
+        sizes = np.zeros(b, np.int64)
+        for node, i in index_of.items():
+            info = json.loads(replies[node].meta["schema"])
             schemas[i] = info["rows"]
             sizes[i] = int(info["size"])
-        missing = sorted(set(range(spec.num_clients)) - set(index_of.values()))
-        if missing:
-            raise RuntimeError(f"clients {missing} did not answer the hello round")
         schema = _check_schemas(schemas, sizes, spec)
         self.node_of = {i: n for n, i in index_of.items()}
         self._configured = np.zeros(spec.num_clients, bool)
@@ -819,6 +946,66 @@ class ServerCoordinator:
             load_model(spec.model), part,
             prior="server" if spec.prior == "server" else "split", check=False,
         )
+        self._check_fingerprints({i: replies[n].meta for n, i in index_of.items()}, schema,
+                                 self.node_of)
+
+    def _check_fingerprints(self, metas: Mapping[int, Mapping[str, Any]],
+                            schema: Mapping[str, Any], node_of: Mapping[int, int]) -> None:
+        """Refuse the clients whose ``hello`` fingerprint differs from the server's
+        (:mod:`numpyro_fed.flower.checks`): other settings parsed from the spec, or another
+        potential on the synthetic probe of the common row schema (another model or version
+        of the model's module, another likelihood weight, another prior).
+
+        :raises ClientMismatchError: naming every refused client and what differs.
+        """
+        spec = self.spec
+        mine = spec_settings(spec.to_config())
+        # the server's own model, spec and (no) shared arguments, built as a client does;
+        # compared on the probe sets where the server's model is finite
+        refs = {kind: np.asarray(v, np.float64)
+                for kind, v in probes(self.potential, spec.likelihood_weight, schema).items()
+                if not isinstance(v, str) and np.isfinite(v).all()}
+        if not refs:
+            log.warning("the model cannot be evaluated on any synthetic probe %s: the hello "
+                        "round compares the clients' settings only", PROBE_SETS)
+        bad: dict[int, str] = {}
+        for i in sorted(metas):
+            meta = metas[i]
+            if "settings_error" in meta:
+                bad[i] = f"it cannot read the server's spec ({meta['settings_error']})"
+                continue
+            if "settings" not in meta:
+                bad[i] = ("it sent no fingerprint of its model and settings (a client of an "
+                          "older numpyro_fed?)")
+                continue
+            diff = spec_differences(mine, json.loads(meta["settings"]))
+            if diff:
+                bad[i] = "it runs with other settings than the spec: " + ", ".join(diff)
+                continue
+            if not refs:
+                continue
+            sent = json.loads(meta["probe"]) if "probe" in meta else {}
+            for kind, ref in refs.items():
+                got = sent.get(kind, sent.get("error"))
+                if got is None:
+                    bad[i] = "it sent no probe of its model (a client of an older numpyro_fed?)"
+                elif isinstance(got, str):
+                    bad[i] = (f"its model cannot be evaluated on the {kind!r} probe where the "
+                              f"server's can ({got})")
+                else:
+                    bad[i] = probe_difference(ref, np.asarray(got, np.float64),
+                                              spec.likelihood_weight)
+                if bad[i]:
+                    break
+                del bad[i]
+        if bad:
+            lines = "; ".join(f"client {i} (node {node_of[i]}): {why}"
+                              for i, why in bad.items())
+            raise ClientMismatchError(
+                f"Flower deployment of model {spec.model!r}: refused {lines}. Every client "
+                "must run the server's model (the same version of its module and of "
+                "numpyro_fed) with the spec's settings; its draws would be those of another "
+                "target.", list(bad))
 
     def _cmd(self, phase: str, k: int, i: int, **extra: Any) -> dict[str, Any]:
         cmd = {"phase": phase, "round": k, **extra}
@@ -829,12 +1016,15 @@ class ServerCoordinator:
 
     def _receive(self, replies: Mapping[int, Reply], asked: list[int], phase: str, k: int,
                  codec) -> dict[int, tuple[np.ndarray, int, int]]:
-        """Validate replies; return ``{client: (decoded, declared bits, wire bytes)}``."""
+        """Validate replies; return ``{client: (decoded, declared bits, wire bytes)}``.
+        Why each asked client is absent is kept in ``self.absent`` (``{client: reason}``)."""
         out = {}
+        self.absent = {}
         for i in asked:
             rep = replies.get(self.node_of[i])
             if rep is None:
                 log.warning("round %d: client %d did not answer in time", k, i)
+                self.absent[i] = "did not answer in time"
                 continue
             reason = rep.error
             if reason is None and int(rep.meta.get("nonfinite", 0)) and (
@@ -857,6 +1047,7 @@ class ServerCoordinator:
                     reason = f"rejected: {err}"
             if reason is not None:
                 log.warning("round %d: message of client %d %s", k, i, reason)
+                self.absent[i] = reason
                 self.log.rejected.append(f"round {k} client {i}: {reason}")
                 continue
             out[i] = (dec, nbits, rep.wire_bytes)
@@ -897,7 +1088,8 @@ class ServerCoordinator:
 
         :param arrays: the arrays sent to each client; ``declared`` their declared bits.
         :return: the ``(b, d)`` replies in client order.
-        :raises RuntimeError: when a client has not answered after 3 attempts.
+        :raises DeploymentError: (a ``RuntimeError``) when a client has not answered after 3
+            attempts.
         """
         b, spec, sb = self.spec.num_clients, self.spec, self.setup_bits
         dense = dense_codec(self.potential.dim)
@@ -923,7 +1115,7 @@ class ServerCoordinator:
                 log.warning("%s: clients %s missing, retrying", what,
                             sorted(set(range(b)) - set(got)))
         if len(got) < b:
-            raise RuntimeError(
+            raise DeploymentError(
                 f"{what} needs every client's dense reply; clients "
                 f"{sorted(set(range(b)) - set(got))} did not answer 3 attempts"
             )
@@ -1060,8 +1252,8 @@ class ServerCoordinator:
     def run(self) -> np.ndarray:
         """Run ``spec.num_samples`` steps; return the flat draws ``(num_samples, d)``."""
         spec = self.spec
-        self._discover()
         self._spec_json = json.dumps(spec.to_config())
+        self._discover()
         pot, b = self.potential, spec.num_clients
         d = pot.dim
         dense = dense_codec(d)
@@ -1104,6 +1296,8 @@ class ServerCoordinator:
         known = np.full(b, -1, np.int64)  # P-/B-ELF: last round each client holds w for
         hist: dict[int, tuple[np.ndarray, int]] = {}
         draws = np.zeros((spec.num_samples, d), np.float32)
+        monitor = ParticipationMonitor(b, spec.participation, spec.num_samples,
+                                       spec.max_empty_rounds, spec.min_participation)
         if shadow:
             self.shadow_models = np.zeros((spec.num_samples, d), np.float32)
         for k in range(spec.num_samples):
@@ -1164,6 +1358,8 @@ class ServerCoordinator:
             got = self._receive(replies, asked_ids, "step", k, codec)
             present = np.zeros(b, bool)
             present[list(got)] = True
+            # stop instead of sampling without data (ParticipationError naming the rounds)
+            monitor.update(k, asked, present, self.absent)
             # the decoded messages as the in-process kernels hold them: (b, d), zero rows
             # for absent clients; no mask when every client was asked and answered
             order = sorted(got)

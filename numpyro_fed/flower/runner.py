@@ -34,6 +34,7 @@ from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.serverapp import Grid
 
 from numpyro_fed.flower.apps import error_path, make_client_app, serve
+from numpyro_fed.flower.checks import ClientMismatchError, DeploymentError, ParticipationError
 from numpyro_fed.flower.protocol import FlowerSpec, ServerCoordinator
 from numpyro_fed.flower.results import to_inference_data
 from numpyro_fed.kernels.base import DivergenceError
@@ -151,13 +152,22 @@ class LoopbackGrid(Grid):
 
 
 def raise_server_error(output: str | os.PathLike, logs: str | os.PathLike = "") -> None:
-    """Raise, in the launching process, the :class:`~numpyro_fed.DivergenceError` that the
-    ``ServerApp`` of a deployment writing to ``output`` stopped with (see
-    :func:`~numpyro_fed.flower.apps.serve_and_write`); nothing if it did not."""
+    """Raise, in the launching process, the :class:`~numpyro_fed.DivergenceError` or
+    :class:`~numpyro_fed.flower.checks.DeploymentError` that the ``ServerApp`` of a deployment
+    writing to ``output`` stopped with (see :func:`~numpyro_fed.flower.apps.serve_and_write`);
+    nothing if it did not."""
     err_file = Path(error_path(output))
     if not err_file.exists():
         return
     info = json.loads(err_file.read_text())
+    if info.get("type") == "ParticipationError":
+        raise ParticipationError(f"{info['message']} (Flower run; logs in {logs})",
+                                 info.get("rounds") or ())
+    if info.get("type") == "ClientMismatchError":
+        raise ClientMismatchError(f"{info['message']} (Flower run; logs in {logs})",
+                                  info.get("clients") or ())
+    if info.get("type") == "DeploymentError":
+        raise DeploymentError(f"{info['message']} (Flower run; logs in {logs})")
     err = DivergenceError(f"{info['message']} (Flower run; logs in {logs})")
     err.iteration, err.chain = info.get("iteration"), info.get("chain")
     raise err

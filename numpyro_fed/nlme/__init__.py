@@ -27,7 +27,7 @@ from numpyro_fed.nlme.data import (
 )
 from numpyro_fed.nlme.diagnostics import NLMEFit
 from numpyro_fed.nlme.error import CensoredLogNormal, CensoredNormal, ErrorModel
-from numpyro_fed.nlme.model import Param, PKModel
+from numpyro_fed.nlme.model import Binding, Param, PKModel
 from numpyro_fed.nlme.pk import (
     compartment_model,
     one_compartment,
@@ -36,6 +36,7 @@ from numpyro_fed.nlme.pk import (
 )
 
 __all__ = [
+    "Binding",
     "CensoredLogNormal",
     "CensoredNormal",
     "Doses",

@@ -82,13 +82,16 @@ class Doses(NamedTuple):
 class Observations(NamedTuple):
     """Observations, every field ``(n_subjects, max_obs)``, in time (record) order within each
     subject. Padding entries have ``mask = False``, ``time`` = the last real observation time
-    of that subject (so a model evaluated there stays finite), ``dv = 0``, ``cmt = 1``,
+    of that subject (so a model evaluated there stays finite), ``dv = 0``, ``cmt = 0``,
     ``cens = False``, ``lloq = 0``.
 
     :ivar time: observation time (float).
     :ivar dv: observed value (float). For a censored observation: the ``DV`` given, or the
         limit when ``DV`` is missing (never NaN).
-    :ivar cmt: NONMEM compartment number of the observation, 1-based (int32).
+    :ivar cmt: NONMEM compartment number of the observation, 1-based (int32); 0 means the
+        structural model's observed compartment (``observed_cmt``: the central one of the
+        compartment models), as NONMEM reads ``CMT = 0`` or ``"."`` on an observation record
+        -- and what every observation gets when the table has no ``CMT`` column.
     :ivar cens: ``True`` when the observation is below the limit of quantification (``CENS=1``;
         the likelihood term is then ``P(Y < lloq)``, Beal's M3).
     :ivar lloq: the lower limit of quantification of a censored observation, 0 elsewhere.
@@ -170,6 +173,28 @@ def _to_numeric(
     return out.to_numpy(dtype=np.float64, na_value=np.nan)
 
 
+def _max_text(big: float) -> str:
+    """``3.4e38`` for the largest float32."""
+    return f"{big:.2g}".replace("e+", "e")
+
+
+def _check_fits(
+    values: np.ndarray, rows: np.ndarray, dtype: np.dtype, col: Hashable, kw: str, where
+) -> None:
+    """Refuse finite values (on the rows used) that the float ``dtype`` cannot hold: cast,
+    they would become infinite without a word."""
+    big = float(np.finfo(dtype).max)
+    with np.errstate(invalid="ignore"):
+        bad = np.flatnonzero(rows & np.isfinite(values) & (np.abs(values) > big))
+    if bad.size:
+        raise ValueError(
+            f"column {col!r} ({kw}=) = {values[bad[0]]:g} at {where(bad[0])} overflows "
+            f"{dtype.name} (max {_max_text(big)}) ({bad.size} such value(s)): rescale the column "
+            "(other units)" + (", or read the table with dtype=np.float64 (and enable JAX's "
+            "float64)" if dtype.itemsize < 8 else "") + "."
+        )
+
+
 def _is_integer(x: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         return np.isfinite(x) & (x == np.round(x))
@@ -226,6 +251,14 @@ class PKDataset:
         Padding holds the subject's number of doses.
     :ivar notes: what :meth:`from_dataframe` did that the user should know (filled covariate
         values, AMT on observation rows, pre-dose samples), also shown by :meth:`report`.
+    :ivar obs_rows: ``(n_subjects, max_obs)`` object array: the row of the input table of
+        each observation, as its DataFrame index label (``None`` on padding, and everywhere
+        for a dataset built from arrays); the errors of :mod:`numpyro_fed.nlme` name rows by
+        it (with the default ``RangeIndex``: the 0-based position in the table).
+    :ivar dose_rows: the same for the doses, ``(n_subjects, max_doses)``.
+    :ivar columns: NONMEM item -> the column of the input table that held it (``{"dv": "DV",
+        "cmt": "CMT", ...}``; an item the table lacked is absent); default: the standard
+        names.
     """
 
     def __init__(
@@ -242,6 +275,9 @@ class PKDataset:
         dose_time_varying: dict[str, np.ndarray] | None = None,
         notes: Sequence[str] = (),
         id_column: Hashable = "ID",
+        obs_rows: np.ndarray | None = None,
+        dose_rows: np.ndarray | None = None,
+        columns: dict[str, Hashable] | None = None,
     ) -> None:
         """:param ids: ``(n_subjects,)`` subject IDs.
         :param obs: the observations, fields ``(n_subjects, max_obs)``.
@@ -256,8 +292,18 @@ class PKDataset:
             takes the value of the last observation at or before it (the first one if none).
         :param notes: notes shown by :meth:`report`.
         :param id_column: the name of the ID column in ``ignored``.
+        :param obs_rows: row labels of the observations in the input table (default: none).
+        :param dose_rows: row labels of the doses in the input table (default: none).
+        :param columns: NONMEM item -> input column (default: the standard names).
+        :raises ValueError: no subject, or fields of inconsistent shapes.
         """
         self.ids = np.asarray(ids)
+        if self.ids.ndim != 1 or self.ids.shape[0] == 0:
+            raise ValueError(
+                f"a PKDataset needs at least one subject (ids of shape (n_subjects,) with "
+                f"n_subjects >= 1), got ids of shape {self.ids.shape}: a model of no subject "
+                "has nothing to fit."
+            )
         self.obs = Observations(*(np.asarray(a) for a in obs))
         self.doses = Doses(*(np.asarray(a) for a in doses))
         n = self.ids.shape[0]
@@ -284,6 +330,53 @@ class PKDataset:
         self.dose_time_varying = dict(dose_time_varying)
         self.notes = list(notes)
         self._id_column = id_column
+        self.obs_rows = (
+            np.full(self.obs.time.shape, None, object)
+            if obs_rows is None
+            else np.asarray(obs_rows, dtype=object).reshape(self.obs.time.shape)
+        )
+        self.dose_rows = (
+            np.full(self.doses.time.shape, None, object)
+            if dose_rows is None
+            else np.asarray(dose_rows, dtype=object).reshape(self.doses.time.shape)
+        )
+        self.columns = dict(_STANDARD if columns is None else columns)
+
+    # ------------------------------------------------------------------ locations
+
+    def column(self, item: str) -> Hashable:
+        """The input column of a NONMEM item (``"dv"``, ``"cmt"``, ...; its standard name
+        when the table lacked it)."""
+        return self.columns.get(item, _STANDARD.get(item, item))
+
+    def locate(self, kind: str, i: int, j: int, item: str | None = None) -> str:
+        """Where an entry of the padded arrays comes from, for error messages: ``"subject
+        3, row 17, column 'CMT'"`` (row: the DataFrame index label of the input table).
+
+        :param kind: ``"obs"`` or ``"dose"``.
+        :param i: subject position.
+        :param j: position of the observation / dose within the subject.
+        :param item: the NONMEM item at fault (its column is named), or ``None``.
+        :return: the description.
+        """
+        rows = self.obs_rows if kind == "obs" else self.dose_rows
+        row = rows[i, j]
+        what = "observation" if kind == "obs" else "dose"
+        where = f"subject {_py(self.ids[i])!r}, " + (
+            f"row {_py(row)!r}" if row is not None else f"{what} {j + 1} of the subject"
+        )
+        return where + ("" if item is None else f", column {self.column(item)!r}")
+
+    def labels(self, kind: str = "obs", item: str | None = None) -> np.ndarray:
+        """:meth:`locate` of every entry, ``(n_subjects, max_obs)`` (or ``max_doses``) object
+        array (padding included), as labels for array checks (e.g.
+        :meth:`~numpyro_fed.nlme.error.ErrorModel.check_observations`)."""
+        shape = (self.obs if kind == "obs" else self.doses).time.shape
+        out = np.empty(shape, dtype=object)
+        for i in range(shape[0]):
+            for j in range(shape[1]):
+                out[i, j] = self.locate(kind, i, j, item)
+        return out
 
     def _last_obs_at_doses(self) -> np.ndarray:
         t_obs = np.where(self.obs.mask, self.obs.time, np.inf)
@@ -340,8 +433,13 @@ class PKDataset:
           count for the filling below); 3 and 4 (resets) are not supported.
         - ``MDV`` absent: 1 on doses, 0 on observations. An ``EVID = 0`` row with ``MDV = 1``
           is ignored (reason ``"MDV=1"``).
-        - ``CMT`` absent: 1 for every dose and observation (the structural model interprets
-          compartments, e.g. with first-order absorption 1 = depot, 2 = central).
+        - ``CMT`` absent: every dose goes into compartment 1 and every observation is of the
+          structural model's observed compartment (the central one: ``obs.cmt = 0``). The
+          structural model interprets the numbers (with first-order absorption 1 = depot,
+          2 = central; without, 1 = central); a dose or an observation into a compartment
+          the model lacks or cannot predict is refused when the model meets the data. On an
+          observation row, ``CMT = 0`` or missing (``"."``) also means the observed
+          compartment (NONMEM's convention); on a dose row ``CMT`` must be >= 1.
         - ``RATE``/``SS``/``II`` absent: 0 (bolus, no steady state). ``RATE > 0`` is a
           zero-order infusion of duration ``AMT/RATE``; NONMEM's modelled ``RATE = -1/-2``
           are not supported.
@@ -533,16 +631,22 @@ class PKDataset:
         # ---- compartments
         if cols["cmt"] is not None:
             cm = num("cmt")
-            bad = np.flatnonzero((is_dose | is_obs) & ~(_is_integer(cm) & (cm >= 1)))
+            # an observation with CMT 0 or missing: the model's observed compartment (0)
+            cm = np.where(is_obs & np.isnan(cm), 0.0, cm)
+            bad = np.flatnonzero(
+                (is_dose & ~(_is_integer(cm) & (cm >= 1)))
+                | (is_obs & ~(_is_integer(cm) & (cm >= 0)))
+            )
             if bad.size:
                 raise ValueError(
                     f"column {cols['cmt']!r} (cmt=) must be a positive integer (1-based NONMEM "
-                    f"compartment) on dose and observation rows; it is {cm[bad[0]]} at "
-                    f"{where(bad[0])}."
+                    f"compartment) on dose and observation rows (0 or missing on an "
+                    f"observation row: the model's observed compartment); it is {cm[bad[0]]} "
+                    f"at {where(bad[0])}."
                 )
             cm = np.where(is_dose | is_obs, cm, 1.0)
         else:
-            cm = np.ones(n_rows)
+            cm = np.where(is_obs, 0.0, 1.0)
 
         # ---- doses
         def opt(kw: str) -> np.ndarray:
@@ -631,6 +735,18 @@ class PKDataset:
             )
         dv_obs = np.where(censored & ~np.isfinite(dv_v), limit, dv_v)
 
+        # ---- finite values the float dtype cannot hold (they would be cast to inf)
+        for kw, values, rows in (
+            ("time", t, is_dose | is_obs),
+            ("dv", dv_v, is_obs),
+            ("amt", amt0, is_dose),
+            ("rate", rt, is_dose),
+            ("ii", ii_v, is_dose),
+            ("lloq", limit if lq is not None else np.full(n_rows, np.nan), censored),
+        ):
+            if cols[kw] is not None:
+                _check_fits(values, rows, dtype, cols[kw], kw, where)
+
         # ---- fully duplicated dose/observation rows
         used_rows = np.flatnonzero(is_dose | is_obs)
         key = pd.DataFrame(
@@ -676,7 +792,7 @@ class PKDataset:
         obs = Observations(
             time=obs_time,
             dv=_pad(oc, opos, dv_obs[obs_rows], so, 0, f),
-            cmt=_pad(oc, opos, cm[obs_rows], so, 1, np.int32),
+            cmt=_pad(oc, opos, cm[obs_rows], so, 0, np.int32),
             cens=_pad(oc, opos, cens_o, so, False, bool),
             lloq=_pad(oc, opos, np.where(cens_o, limit[obs_rows], 0.0), so, 0, f),
             mask=_pad(oc, opos, True, so, False, bool),
@@ -771,6 +887,7 @@ class PKDataset:
                         f"covariate {c!r} is infinite at {where(bad[0])}: give a finite value "
                         "(or leave it missing to be filled within the subject)."
                     )
+                _check_fits(s.to_numpy(), np.ones(n_rows, bool), f, c, "covariates", where)
             missing = s.isna().to_numpy()
             if missing.any():
                 filled = s.groupby(code).ffill().groupby(code).bfill()
@@ -823,6 +940,9 @@ class PKDataset:
             dose_time_varying=varying_d,
             notes=notes,
             id_column=cols["id"],
+            obs_rows=_pad(oc, opos, labels[obs_rows], so, None, object),
+            dose_rows=_pad(dc, dpos, labels[dose_rows], sd, None, object),
+            columns={kw: c for kw, c in cols.items() if c is not None},
         )
 
     # ------------------------------------------------------------------ subsetting
@@ -884,6 +1004,9 @@ class PKDataset:
             dose_time_varying={k: v[pos, :md] for k, v in self.dose_time_varying.items()},
             notes=self.notes,
             id_column=self._id_column,
+            obs_rows=self.obs_rows[pos, :mo],
+            dose_rows=self.dose_rows[pos, :md],
+            columns=self.columns,
         )
 
     # ------------------------------------------------------------------ output
@@ -977,7 +1100,11 @@ class PKDataset:
             f"  doses: {int((rm & (d.rate == 0)).sum())} bolus, "
             f"{int((rm & (d.rate > 0)).sum())} infusion, {int((rm & d.ss).sum())} steady-state; "
             f"compartments {sorted(set(d.cmt[rm].tolist()))}",
-            f"  observation compartments: {sorted(set(o.cmt[o.mask].tolist()))}",
+            "  observation compartments: "
+            + ", ".join(
+                "0 (the model's observed one)" if c == 0 else str(c)
+                for c in sorted(set(o.cmt[o.mask].tolist()))
+            ),
         ]
 
         def describe(names) -> str:

@@ -58,6 +58,9 @@ class NLMEFit:
     """The result of :meth:`~numpyro_fed.nlme.model.PKModel.fit`: the SAEM result with the
     model and the data, and the diagnostics computed from them.
 
+    :ivar pk: the :class:`~numpyro_fed.nlme.model.PKModel` bound to the fitted data
+        (:meth:`~numpyro_fed.nlme.model.PKModel.bind`: the covariate references and levels
+        the estimates refer to, kept by :meth:`simulate` on other data).
     :ivar result: the :class:`~numpyro_fed.saem.SAEMResult`.
     :ivar params: the constrained estimates (``{site: value}``).
     """
@@ -109,6 +112,11 @@ class NLMEFit:
             f = TRANSFORMS[pk.params[n].transform][0]
             df.loc[f"typical_{n}"] = {"estimate": float(f(est[f"mu_{n}"])), "se": np.nan,
                                       "rse_%": np.nan, "cv_%": np.nan}
+        # the fit's convergence verdict travels with its table (the standard errors of a fit
+        # that has not converged also warn ConvergenceWarning)
+        msgs = list(getattr(res, "convergence_messages", []))
+        df.attrs["converged"] = not msgs
+        df.attrs["convergence_messages"] = msgs
         return df
 
     # ------------------------------------------------------------------ individual
@@ -143,7 +151,9 @@ class NLMEFit:
         covs = {k[4:]: v for k, v in arrays.items() if k.startswith("cov_")}
         n = arrays["obs_time"].shape[0]
         th = {k: np.asarray(v) for k, v in self.params.items()}
-        return {nm: jnp.broadcast_to(pk.typical(nm, covs, th), (n,)) for nm in pk.names}
+        b = arrays.get("binding")
+        return {nm: jnp.broadcast_to(pk.typical(nm, covs, th, binding=b), (n,))
+                for nm in pk.names}
 
     def individual_parameters(self, kind: str = "mode") -> dict[str, np.ndarray]:
         """Natural-scale individual parameters ``{name: (n,)}`` at the conditional modes
@@ -201,8 +211,10 @@ class NLMEFit:
     def _predict(self, indiv: dict, arrays: dict, times=None):
         t = jnp.asarray(arrays["obs_time"] if times is None else times)
         nb = arrays["doses_before"] if times is None else None
+        cmt = arrays.get("obs_cmt") if times is None else None  # a grid: the observed one
         return np.asarray(self.pk.predict({k: jnp.asarray(v) for k, v in indiv.items()}, t,
-                                          _doses(arrays), nb))
+                                          _doses(arrays), nb, binding=arrays.get("binding"),
+                                          obs_cmt=cmt))
 
     def cwres(self) -> np.ndarray:
         """Conditional weighted residuals ``(n, T)`` (FOCE-I linearisation at the EBEs, see
@@ -218,7 +230,8 @@ class NLMEFit:
             phi = dict(typ)
             phi.update({n: typ[n] + e[:, k] for k, n in enumerate(rn)})
             f = pk.predict(pk.individual(phi), jnp.asarray(a["obs_time"]), _doses(a),
-                           a["doses_before"])
+                           a["doses_before"], binding=a.get("binding"),
+                           obs_cmt=a.get("obs_cmt"))
             return jnp.log(f) if log_scale else f
 
         def lin(e):  # subject i's output depends on eta_i only: one jvp per random effect
@@ -309,7 +322,8 @@ class NLMEFit:
             phi = dict(typ)
             for k, m in enumerate(names):
                 phi[m] = typ[m] + e[:, k]
-            return pk.predict(pk.individual(phi), t, doses, nb)
+            return pk.predict(pk.individual(phi), t, doses, nb, binding=arrays["binding"],
+                              obs_cmt=arrays.get("obs_cmt"))
 
         f = jax.jit(jax.vmap(one))(jnp.asarray(eta, t.dtype))
         y = pk.error.sample(k_eps, f, self._error_params())

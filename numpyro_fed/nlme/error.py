@@ -101,8 +101,9 @@ def _concrete(x) -> np.ndarray | None:
 
 
 def _where_text(bad: np.ndarray, labels: np.ndarray | None, limit: int = 10) -> str:
-    """Where the ``True`` entries of ``bad`` are: their labels or their indices."""
-    if labels is not None:
+    """Where the ``True`` entries of ``bad`` are: their labels (when of ``bad``'s shape) or
+    their indices."""
+    if labels is not None and np.shape(labels) == np.shape(bad):
         found = [str(v) for v in np.asarray(labels)[bad]]
         what = "at"
     else:
@@ -114,7 +115,13 @@ def _where_text(bad: np.ndarray, labels: np.ndarray | None, limit: int = 10) -> 
     return f"{what} {', '.join(found[:limit])}{more}"
 
 
-def _as_cens(cens, who: str):
+def _arg(name: str, columns: Mapping[str, Any] | None) -> str:
+    """An argument's name in a message, with the column of the input table it came from."""
+    col = None if columns is None else columns.get(name)
+    return f"`{name}`" + ("" if col is None else f" (column {col!r})")
+
+
+def _as_cens(cens, who: str, labels=None, columns=None):
     """``cens`` as a boolean array. A concrete array is checked (values 0/1 or booleans); a
     traced one must already be boolean (its values cannot be checked under ``jit``)."""
     c = _concrete(cens)
@@ -133,8 +140,8 @@ def _as_cens(cens, who: str):
         bad = ~np.isin(c, (0, 1))
         if bad.any():
             raise ValueError(
-                f"{who}: `cens` must hold booleans or 0/1 (1 = below the LLOQ); it has "
-                f"{int(bad.sum())} other value(s) {_where_text(bad, None)} "
+                f"{who}: {_arg('cens', columns)} must hold booleans or 0/1 (1 = below the "
+                f"LLOQ); it has {int(bad.sum())} other value(s) {_where_text(bad, labels)} "
                 f"(values {np.unique(c[bad])[:5].tolist()}). Upper censoring (NONMEM's "
                 "CENS = -1, above the ULOQ) is not supported: drop those rows or mark them "
                 "missing."
@@ -406,7 +413,8 @@ class ErrorModel:
         return jnp.broadcast_to(g, jnp.broadcast_shapes(jnp.shape(f), jnp.shape(g)))
 
     # ------------------------------------------------------------------------- distribution
-    def dist(self, f, params: Mapping[str, Any], *, cens=None, lloq=None) -> dist.Distribution:
+    def dist(self, f, params: Mapping[str, Any], *, cens=None, lloq=None,
+             labels=None) -> dist.Distribution:
         """The distribution of the observations given the predictions ``f``.
 
         Without censoring: :class:`~numpyro.distributions.Normal` ``(f, g(f))`` (the first
@@ -422,6 +430,8 @@ class ErrorModel:
             accepted when concrete).
         :param lloq: the LLOQ (read at censored entries only; positive for the exponential
             model).
+        :param labels: optional labels of the entries (e.g. ``"subject 3, row 17"``, of the
+            shape of ``f``), named in the messages instead of array indices.
         :return: a distribution of batch shape ``broadcast(f, g(f), cens, lloq)``, with
             log-densities on the observation scale.
         :raises ValueError: ``cens`` without ``lloq`` or the reverse; a concrete ``lloq``
@@ -436,7 +446,7 @@ class ErrorModel:
                              "both (cens: True where below the LLOQ; lloq: the limit).")
         f = jnp.asarray(f)
         g = self.scale(f, params)
-        self._check_prediction(f, g, who)
+        self._check_prediction(f, g, who, labels)
         if cens is None:
             if self.kind == "exponential":
                 return dist.LogNormal(jnp.log(f), g)
@@ -447,12 +457,12 @@ class ErrorModel:
             shape = _broadcast_shape(who, f=f, cens=c, lloq=q)
             c = np.broadcast_to(c, shape)
             q = np.broadcast_to(np.asarray(q, dtype=float), shape)
-            self._check_lloq(c, q, who)
+            self._check_lloq(c, q, who, labels)
         if self.kind == "exponential":
             return CensoredLogNormal(jnp.log(f), g, lloq, cens)
         return CensoredNormal(f, g, lloq, cens)
 
-    def _check_prediction(self, f, g, who: str) -> None:
+    def _check_prediction(self, f, g, who: str, labels=None) -> None:
         """Refuse, when their values are known, predictions the model cannot evaluate: a
         zero scale (proportional error at ``f = 0``) or ``f <= 0`` for the exponential model.
         Under ``jit`` they give NaN log-densities (not checked, not hidden)."""
@@ -465,7 +475,7 @@ class ErrorModel:
                 raise ValueError(
                     f"{who}: the exponential error model needs predictions f > 0 (y = f "
                     f"exp(eps)); f <= 0 or NaN at {int(bad.sum())} entries "
-                    f"{_where_text(bad, None)}. Fix the structural model, or use an additive "
+                    f"{_where_text(bad, labels)}. Fix the structural model, or use an additive "
                     "or combined error model."
                 )
             return
@@ -476,15 +486,16 @@ class ErrorModel:
                    if self.kind == "proportional" else
                    "check the parameters (positive) and the predictions (finite)")
             raise ValueError(f"{who}: the residual standard deviation g(f) is zero or NaN at "
-                             f"{int(bad.sum())} entries {_where_text(bad, None)}; {why}.")
+                             f"{int(bad.sum())} entries {_where_text(bad, labels)}; {why}.")
 
     def _check_lloq(self, c: np.ndarray, q: np.ndarray, who: str,
-                    labels: np.ndarray | None = None) -> None:
+                    labels: np.ndarray | None = None, columns=None) -> None:
         bad = c & ~np.isfinite(q)
         if bad.any():
-            raise ValueError(f"{who}: `lloq` is NaN or infinite at {int(bad.sum())} censored "
-                             f"observation(s) {_where_text(bad, labels)}; give the LLOQ of "
-                             "every censored observation.")
+            raise ValueError(f"{who}: {_arg('lloq', columns)} is NaN or infinite at "
+                             f"{int(bad.sum())} censored observation(s) "
+                             f"{_where_text(bad, labels)}; give the LLOQ of every censored "
+                             "observation.")
         if self.kind == "exponential":
             bad = c & (q <= 0)
             if bad.any():
@@ -533,10 +544,12 @@ class ErrorModel:
         return f + g * eps
 
     def check_observations(self, dv, cens=None, mask=None, *, lloq=None,
-                           labels=None) -> None:
+                           labels=None, columns: Mapping[str, Any] | None = None) -> None:
         """Check (host side) that the observations can be evaluated by this error model.
 
-        Refused: NaN or infinite ``dv`` among uncensored observations; ``dv <= 0`` among
+        Refused: NaN or infinite ``dv`` among uncensored observations, and finite values
+        of ``dv`` or ``lloq`` beyond float32 when JAX computes in float32 (they would become
+        infinite); ``dv <= 0`` among
         uncensored observations for the exponential model (:math:`\\log y` undefined);
         ``cens`` not boolean/0-1; ``cens`` with censored entries but no ``lloq``; ``lloq``
         not finite (exponential: not positive) at a censored observation. Entries where
@@ -549,6 +562,8 @@ class ErrorModel:
         :param lloq: the LLOQ (needed where ``cens`` is True).
         :param labels: optional labels of the entries (same shape as ``dv``, e.g.
             ``"ID 3, TIME 2"``), used in the messages instead of array indices.
+        :param columns: optional ``{"dv": column, "lloq": column}``: the columns of the input
+            table the arguments came from, named in the messages.
         :raises ValueError: as above, naming how many entries and where, and the fix.
         """
         who = f"ErrorModel({self.kind!r}).check_observations"
@@ -569,7 +584,7 @@ class ErrorModel:
         used = np.ones(shape, bool) if mask is None else full(_as_mask(mask, who), bool)
         c = np.zeros(shape, bool)
         if cens is not None:
-            c = full(np.asarray(_as_cens(np.asarray(cens), who)), bool) & used
+            c = full(np.asarray(_as_cens(np.asarray(cens), who, labels, columns)), bool) & used
         if lloq is None and c.any():
             raise ValueError(f"{who}: `cens` marks {int(c.sum())} observation(s) below the "
                              "LLOQ but `lloq` is None: give the LLOQ (M3 likelihood).")
@@ -577,12 +592,26 @@ class ErrorModel:
             if cens is None:
                 raise ValueError(f"{who}: `lloq` given without `cens`: say which observations "
                                  "are below the LLOQ (cens = True).")
-            self._check_lloq(c, full(lloq, float), who, labels)
+            self._check_lloq(c, full(lloq, float), who, labels, columns)
         obs = used & ~c
+        if not jax.config.jax_enable_x64:  # finite here, infinite once JAX has cast it
+            big = float(np.finfo(np.float32).max)
+            for name, v, where in (("dv", y, obs), ("lloq", lloq, c)):
+                if v is None:
+                    continue
+                v = full(v, float)
+                with np.errstate(invalid="ignore"):
+                    bad = where & np.isfinite(v) & (np.abs(v) > big)
+                if bad.any():
+                    raise ValueError(
+                        f"{who}: {_arg(name, columns)} overflows float32 (max 3.4e38), the "
+                        f"float type JAX computes in, at {int(bad.sum())} observation(s) "
+                        f"{_where_text(bad, labels)}: rescale it (other units), or enable "
+                        "JAX's float64.")
         bad = obs & ~np.isfinite(y)
         if bad.any():
             raise ValueError(
-                f"{who}: `dv` is NaN or infinite at {int(bad.sum())} uncensored "
+                f"{who}: {_arg('dv', columns)} is NaN or infinite at {int(bad.sum())} uncensored "
                 f"observation(s) {_where_text(bad, labels)}. Fix: drop those rows or mark them "
                 "missing (mask False / MDV = 1), or, if they are below the LLOQ, set cens = "
                 "True with their lloq (M3)."
@@ -592,7 +621,8 @@ class ErrorModel:
             if bad.any():
                 raise ValueError(
                     f"{who}: the exponential error model needs dv > 0 (it models log dv); "
-                    f"{int(bad.sum())} uncensored observation(s) are <= 0 "
+                    f"{int(bad.sum())} uncensored observation(s) are <= 0"
+                    f"{'' if columns is None else ' in ' + _arg('dv', columns)} "
                     f"{_where_text(bad, labels)}. Fix: use an additive or combined error model "
                     "(e.g. ErrorModel('combined2')), or, if they are below the LLOQ, censor them "
                     "(cens = True with lloq > 0: M3)."

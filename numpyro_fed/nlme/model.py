@@ -18,7 +18,9 @@ random effects and covariate effects, residual error model.
 The model is an ordinary NumPyro function, ``pk.model(**pk.arrays(data))``: it can be
 handed to :class:`~numpyro_fed.saem.SAEM` directly, to ``numpyro.infer.MCMC`` or
 ``Predictive``, and a hand-written model that calls the same structural and error functions
-is fitted the same way.
+is fitted the same way. ``pk.arrays(data)`` holds the padded arrays and ``binding``, a
+static :class:`Binding` with what the model takes from ``data`` (computed afresh for every
+dataset; ``pk`` itself never changes: ``pk.bind(data)`` returns a bound copy).
 
 Parameterisation (Monolix / saemix convention): for an individual parameter :math:`P` with
 the default log transform,
@@ -39,9 +41,13 @@ M-step of SAEM updates :math:`\\mu`, :math:`\\beta` and :math:`\\Omega` in close
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -57,7 +63,7 @@ from numpyro_fed.nlme.error import ErrorModel
 from numpyro_fed.nlme.transforms import TRANSFORMS
 from numpyro_fed.saem import SAEM
 
-__all__ = ["Param", "PKModel", "TRANSFORMS", "COVARIATE_KINDS"]
+__all__ = ["Binding", "Param", "PKModel", "TRANSFORMS", "COVARIATE_KINDS"]
 
 #: transforms of individual parameters: name -> (forward, inverse) between the latent
 #: (Gaussian) scale and the natural scale
@@ -79,8 +85,9 @@ class Param:
         (a fraction, e.g. a bioavailability).
     :param covariates: ``{covariate: kind}`` with kind in ``"linear"``, ``"power"``,
         ``"categorical"``; effects on the transformed scale, continuous ones centred at the
-        reference (:attr:`PKModel.references`: the median over subjects of the data of the
-        first fit unless given).
+        reference (:attr:`PKModel.references`: unless given, the median over the subjects of
+        the data the model is used with -- each dataset its own -- and, for a fitted model
+        ``fit.pk``, that of the fitted data).
     """
 
     value: float
@@ -88,6 +95,147 @@ class Param:
     omega: float = 0.3
     transform: str = "log"
     covariates: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What a :class:`PKModel` takes from one dataset (:meth:`PKModel.arrays` returns it as
+    the static argument ``binding`` of :meth:`PKModel.model`): hashable, compared by value
+    (the structural model by identity), so that SAEM's compiled programs are shared by the
+    data with the same binding and never by others.
+
+    :ivar references: ``((covariate, reference value), ...)`` of the continuous covariates.
+    :ivar levels: ``((covariate, number of levels), ...)`` of the categorical ones.
+    :ivar structural: the structural model, specialised to the data's dosing routes where it
+        can be (:meth:`~numpyro_fed.nlme.pk.CompartmentModel.for_doses`).
+    :ivar record_order: whether a sample is recorded before a dose given at the same time
+        (the predictions then follow the record order).
+    :ivar obs_cmt: whether an observation names a compartment other than the observed one
+        (the model then passes each observation's compartment to the structural model).
+    :ivar data: the dataset (not compared; for the messages naming its rows).
+    """
+
+    references: tuple
+    levels: tuple
+    structural: Any
+    record_order: bool
+    obs_cmt: bool = False
+    data: Any = field(default=None, compare=False, repr=False)
+
+
+def _py(v: Any) -> Any:
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` takes a keyword argument ``name``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _dose_locate(data: PKDataset, idx: tuple, item: str) -> str:
+    """The dose at ``idx`` (subject, dose) of ``data``'s arrays: subject, row, column."""
+    if len(idx) != 2:
+        return f"dose at index {idx} of the dose arrays"
+    return "dose of " + data.locate("dose", idx[0], idx[1], item or None)
+
+
+def _check_obs_cmt(structural: Any, data: PKDataset) -> bool:
+    """Refuse observations of a compartment the structural model lacks or does not predict
+    (``obs.cmt = 0``: its observed compartment); return whether an observation names a
+    compartment other than the observed one (predicted from the per-sample ``cmt``)."""
+    o = data.obs
+    cm = np.where(o.mask, np.asarray(o.cmt), 0)
+    named = o.mask & (cm > 0)
+    comps = getattr(structural, "compartments", None)
+    observed = getattr(structural, "observed_cmt", None)
+    col = data.column("cmt")
+    if comps is None or observed is None:
+        # a plain function: it predicts one value per sample, whatever CMT says
+        used = sorted(set(cm[named].tolist()))
+        if len(used) > 1:
+            j = np.argwhere(named & (cm != used[0]))[0]
+            raise ValueError(
+                f"observation of {data.locate('obs', j[0], j[1], 'cmt')}: the observations "
+                f"name several compartments {used} in column {col!r}, but the structural "
+                f"model {structural!r} predicts one value per sample and says which "
+                "compartment (attributes compartments/observed_cmt) nowhere. Keep the "
+                "observations of one compartment, or use a structural model that declares "
+                "them.")
+        return False
+    comps = dict(comps)
+    predicted = tuple(getattr(structural, "predicted_cmts", (observed,)))
+    bad = named & ~np.isin(cm, list(comps))
+    if bad.any():
+        i, j = np.argwhere(bad)[0]
+        raise ValueError(
+            f"observation of {data.locate('obs', i, j, 'cmt')}: CMT={int(cm[i, j])} is not a "
+            f"compartment of {structural!r} (its compartments: {comps}; {int(bad.sum())} such "
+            f"observation(s)). Fix the CMT of the observation (0, or empty, means the observed "
+            f"compartment {observed} = {comps[observed]!r}).")
+    bad = named & ~np.isin(cm, list(predicted))
+    if bad.any():
+        i, j = np.argwhere(bad)[0]
+        c = int(cm[i, j])
+        raise ValueError(
+            f"observation of {data.locate('obs', i, j, 'cmt')}: CMT={c} is the {comps[c]!r} "
+            f"compartment of {structural!r}, which predicts only compartment(s) "
+            f"{', '.join(f'{k} ({comps[k]!r})' for k in predicted)} ({int(bad.sum())} such "
+            "observation(s)). NONMEM would predict the amount in compartment "
+            f"{c} divided by its scale S{c}; this model cannot: give the observation the "
+            f"CMT of the compartment it measures ({observed}, or 0 / empty for the observed "
+            "one), or write the system with nlme.ode_model (it predicts the amount of every "
+            "compartment).")
+    return bool(np.any(named & (cm != observed)))
+
+
+def _max_text(big: float) -> str:
+    """``3.4e38`` for the largest float32."""
+    return f"{big:.2g}".replace("e+", "e")
+
+
+def _check_float32(data: PKDataset, covariates: list[str]) -> None:
+    """Refuse finite values that overflow the float type JAX computes in (float32 unless
+    JAX's float64 is enabled): converted, they would silently become infinite."""
+    if jax.config.jax_enable_x64:
+        return
+    big = float(np.finfo(np.float32).max)
+    o, d = data.obs, data.doses
+
+    def check(kind, values, mask, item):
+        v = np.asarray(values)
+        if v.dtype.kind != "f" or v.dtype.itemsize <= 4:
+            return
+        with np.errstate(invalid="ignore"):
+            bad = np.asarray(mask, bool) & np.isfinite(v) & (np.abs(v) > big)
+        if bad.any():
+            i, j = np.argwhere(bad)[0]
+            what = "observation" if kind == "obs" else "dose"
+            raise ValueError(
+                f"{what} of {data.locate(kind, i, j, item)}: {v[i, j]:g} overflows float32 "
+                f"(max {_max_text(big)}), the float type JAX computes in ({int(bad.sum())} such "
+                "value(s)): rescale the column (other units), or enable JAX's float64 "
+                "(jax.config.update('jax_enable_x64', True)).")
+
+    check("obs", o.time, o.mask, "time")
+    check("obs", o.dv, o.mask & ~np.asarray(o.cens, bool), "dv")
+    check("obs", o.lloq, o.mask & np.asarray(o.cens, bool), "lloq")
+    for item in ("time", "amt", "rate", "ii"):
+        check("dose", getattr(d, item), d.mask, item)
+    for c in covariates:
+        v = np.asarray(data.covariates.get(c, np.zeros(0)))
+        if v.dtype.kind == "f" and v.dtype.itemsize > 4:
+            with np.errstate(invalid="ignore"):
+                bad = np.isfinite(v) & (np.abs(v) > big)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ValueError(
+                    f"covariate {c!r} of subject {_py(data.ids[i])!r} is {v[i]:g}, which "
+                    f"overflows float32 (max {_max_text(big)}), the float type JAX computes in: "
+                    "rescale it (other units), or enable JAX's float64.")
 
 
 def _as_param(name: str, p) -> Param:
@@ -128,8 +276,23 @@ class PKModel:
         (``"additive"``, ``"proportional"``, ``"combined1"``, ``"combined2"``,
         ``"exponential"``).
     :param omega: ``"diag"`` (independent random effects) or ``"full"`` (a full covariance).
-    :param references: reference values of continuous covariates (default: medians of the
-        data of the first :meth:`arrays` call).
+    :param references: reference values of continuous covariates (default: the medians of
+        the data at hand, see :meth:`bind`).
+
+    The model does not change when it meets data: :meth:`arrays` and :meth:`fit` compute
+    what they take from a dataset (covariate references and levels, the structural model
+    specialised to its dosing routes, the record order) afresh for that dataset, so that a
+    model used on one dataset then another computes on the second exactly what a new model
+    would. :meth:`bind` returns a copy bound to a dataset, whose references and levels are
+    kept on other data (the fit's model, ``fit.pk``, is bound to the fitted data).
+
+    Observations are predicted in the compartment each names (``CMT``), as NONMEM does: the
+    structural model's observed one (``observed_cmt``, the central concentration; ``CMT =
+    0``, empty, or no ``CMT`` column mean it), or another of its ``predicted_cmts``, whose
+    amount is predicted (NONMEM's ``A(n)/Sn`` without a scale ``Sn``: the depot of the
+    compartment models, any compartment of an ODE model). An observation of a compartment
+    the structural model lacks, or of one it does not predict (a peripheral compartment of
+    the closed forms), is refused with its subject, row and column.
     """
 
     def __init__(self, structural: Callable, params: Mapping[str, Any],
@@ -142,7 +305,11 @@ class PKModel:
         optional = dict(getattr(structural, "optional_params", {}) or {})
         if not isinstance(params, Mapping) or not params:
             raise ValueError("params must be a non-empty dict {name: Param(...)}.")
-        self.params = {n: _as_param(n, p) for n, p in params.items()}
+        # copies, read-only: the model's definition cannot change behind it (nor behind the
+        # compiled programs SAEM caches for it) when the caller's Params are edited
+        self.params = MappingProxyType({
+            n: dataclasses.replace(q, covariates=dict(q.covariates))
+            for n, q in ((n, _as_param(n, p)) for n, p in params.items())})
         missing = [n for n in required if n not in self.params]
         if missing:
             raise ValueError(f"params lacks {missing}, required by the structural model "
@@ -164,14 +331,17 @@ class PKModel:
                              "one Param (SAEM estimates mixed-effects models).")
         if omega == "full" and len(self.random_names) < 2:
             raise ValueError("omega='full' needs at least two parameters with random effects.")
-        self.references: dict[str, float] = dict(references or {})
-        self.levels: dict[str, int] = {}
-        self._bound = False
-        self._bound_doses = False
-        self._specialised = False
-        #: whether the data have samples taken before a dose given at the same time (a
-        #: trough recorded before the dose): predictions then follow the record order
-        self.record_order: bool | None = None
+        for c, v in dict(references or {}).items():
+            if isinstance(v, bool) or not isinstance(v, int | float | np.floating | np.integer) \
+                    or not math.isfinite(float(v)):
+                raise ValueError(f"references[{c!r}]={v!r} must be a finite number.")
+        #: the references of continuous covariates fixed on this model (given, or those of
+        #: the data it is bound to); the others come from each dataset
+        self._references: dict[str, float] = {c: float(v) for c, v in
+                                               dict(references or {}).items()}
+        self._levels: dict[str, int] = {}
+        #: the binding of the data this model is bound to (None: unbound)
+        self._binding: Binding | None = None
 
     # ------------------------------------------------------------------ data
     @property
@@ -181,8 +351,65 @@ class PKModel:
             out += [c for c in p.covariates if c not in out]
         return out
 
-    def _bind(self, data: PKDataset) -> None:
-        """Fix the covariate references and levels from the first dataset."""
+    @property
+    def references(self) -> dict[str, float]:
+        """Reference values of the continuous covariates fixed on this model: those given,
+        and on a bound model (:meth:`bind`, ``fit.pk``) the medians of its data (a copy)."""
+        return dict(self._references)
+
+    @property
+    def levels(self) -> dict[str, int]:
+        """Numbers of levels of the categorical covariates fixed on this model (a bound
+        model: those of its data; a copy)."""
+        return dict(self._levels)
+
+    @property
+    def is_bound(self) -> bool:
+        """Whether the model is bound to a dataset (:meth:`bind`): its covariate references
+        and levels are fixed."""
+        return self._binding is not None
+
+    @property
+    def record_order(self) -> bool | None:
+        """Whether the data this model is bound to have a sample recorded before a dose given
+        at the same time (its predictions then follow the record order); ``None`` unbound."""
+        return None if self._binding is None else self._binding.record_order
+
+    def bind(self, data: PKDataset) -> PKModel:
+        """A new model bound to ``data``; this one is unchanged.
+
+        Binding fixes the parameterisation that the estimates refer to: the reference value
+        of each continuous covariate (the median over the subjects of ``data`` unless given
+        to the constructor) and the levels of each categorical covariate. A bound model used
+        with other data (e.g. :meth:`NLMEFit.simulate` on a new regimen) keeps them; what
+        only concerns the computation -- the structural model specialised to the dosing
+        routes, the record order of pre-dose samples -- is always taken from the data at
+        hand (:meth:`arrays`), never from an earlier dataset.
+
+        :param data: the dataset.
+        :return: the bound model (:attr:`is_bound`; :attr:`references`, :attr:`levels`,
+            :attr:`record_order` of ``data``).
+        :raises ValueError: data this model cannot take (see :meth:`arrays`).
+        """
+        return self._bound(self._bind(data))
+
+    def _bound(self, b: Binding) -> PKModel:
+        out = copy.copy(self)
+        out._references = dict(b.references)
+        out._levels = dict(b.levels)
+        out._binding = b
+        return out
+
+    def _bind(self, data: PKDataset) -> Binding:
+        """Everything the model takes from ``data``, checked; computed afresh for every
+        dataset (a pure function of the model's definition and ``data``)."""
+        if not isinstance(data, PKDataset):
+            raise TypeError(f"data must be a nlme.PKDataset, got {type(data).__name__}.")
+        if data.n_subjects == 0 or data.n_obs == 0:
+            raise ValueError(
+                f"data has {data.n_subjects} subject(s) and {data.n_obs} observation(s): a "
+                "population model needs at least one subject with an observation.")
+        refs, levels = dict(self._references), dict(self._levels)
         for c in self.covariate_names:
             if c in data.time_varying and c not in data.covariates:
                 raise ValueError(
@@ -198,92 +425,133 @@ class PKModel:
                 if len(kinds) > 1:
                     raise ValueError(f"covariate {c!r} is categorical for one parameter and "
                                      "continuous for another: use one kind.")
-                if c not in self.levels:
-                    cats = data.categories.get(c)
-                    self.levels[c] = len(cats) if cats is not None else int(x.max()) + 1
+                cats = data.categories.get(c)
+                n_lev = len(cats) if cats is not None else int(x.max()) + 1
+                if c not in levels:
+                    levels[c] = n_lev
+                elif np.any(x >= levels[c]):
+                    i = int(np.flatnonzero(x >= levels[c])[0])
+                    raise ValueError(
+                        f"covariate {c!r} of subject {_py(data.ids[i])!r} has the level code "
+                        f"{int(x[i])}, beyond the {levels[c]} levels of the data this model "
+                        "is bound to: its effect was not estimated. Recode the covariate as "
+                        "in those data.")
             else:
                 if c in data.categories:
                     raise ValueError(f"covariate {c!r} is categorical in the data "
                                      f"({data.categories[c]}); use kind 'categorical'.")
-                if c not in self.references:
-                    self.references[c] = float(np.median(x))
+                if c not in refs:
+                    refs[c] = float(np.median(x))
                 if "power" in kinds and np.any(x <= 0):
-                    raise ValueError(f"covariate {c!r} has values <= 0: a power effect "
-                                     "needs positive values (use 'linear').")
-        self._bound = True
-
-    def arrays(self, data: PKDataset) -> dict[str, np.ndarray]:
-        """The keyword arguments of :meth:`model` for ``data`` (padded subject arrays)."""
-        if not isinstance(data, PKDataset):
-            raise TypeError(f"data must be a nlme.PKDataset, got {type(data).__name__}.")
-        if not self._bound:
-            self._bind(data)
+                    i = int(np.flatnonzero(x <= 0)[0])
+                    raise ValueError(f"covariate {c!r} is {x[i]:g} <= 0 for subject "
+                                     f"{_py(data.ids[i])!r}: a power effect needs positive "
+                                     "values (use 'linear').")
         o, d = data.obs, data.doses
-        if not self._bound_doses:
-            # a structural model that can trace only the dosing routes the data use (e.g.
-            # CompartmentModel.for_doses) is specialised once, for the first data
-            special = getattr(self.structural, "for_doses", None)
-            if special is not None:
-                self.structural = special(d)
-                self._specialised = True
-            self._bound_doses = True
-        check = getattr(self.structural, "check_doses", None)
+        _check_float32(data, self.covariate_names)
+        general = self.structural
+        check = getattr(general, "check_doses", None)
         if check is not None:
-            try:
+            if _accepts(check, "locate"):
+                check(d, locate=lambda idx, item: _dose_locate(data, idx, item))
+            else:
                 check(d)
-            except ValueError as e:
-                if not self._specialised:
-                    raise
-                raise ValueError(
-                    f"{e} (If these data use dosing routes that the data this PKModel was first "
-                    "used with did not, build a new PKModel: its structural model was "
-                    "specialised to those routes.)") from e
-        self.error.check_observations(o.dv, cens=o.cens, mask=o.mask, lloq=o.lloq)
+        # a structural model that can trace only the dosing routes the data use (e.g.
+        # CompartmentModel.for_doses) is specialised to those of these data
+        special = getattr(general, "for_doses", None)
+        structural = special(d) if special is not None else general
+        obs_cmt = _check_obs_cmt(general, data)
+        columns = {k: data.column(k) for k in ("dv", "lloq", "cens")}
+        try:
+            self.error.check_observations(o.dv, cens=o.cens, mask=o.mask, lloq=o.lloq)
+        except ValueError:  # again, with the subjects and rows of the input table
+            self.error.check_observations(o.dv, cens=o.cens, mask=o.mask, lloq=o.lloq,
+                                          labels=data.labels("obs"), columns=columns)
+            raise
         # doses at or before each sample's time, against those before it in record order
         at_or_before = np.sum(d.mask[:, None, :] & (d.time[:, None, :] <= o.time[:, :, None]),
                               -1)
         predose = bool(np.any(o.mask & (np.asarray(data.doses_before) < at_or_before)))
-        if self.record_order is None:
-            self.record_order = predose
-        elif predose and not self.record_order:
-            raise ValueError(
-                "these data have samples recorded before a dose given at the same time (a "
-                "trough), unlike the data this PKModel was first used with: build a new "
-                "PKModel for them (its predictions then follow the record order).")
-        out = {
+        return Binding(references=tuple(sorted(refs.items())),
+                       levels=tuple(sorted(levels.items())), structural=structural,
+                       record_order=predose, obs_cmt=obs_cmt, data=data)
+
+    def arrays(self, data: PKDataset) -> dict[str, Any]:
+        """The keyword arguments of :meth:`model` for ``data``: padded subject arrays, and
+        ``binding``, a static (hashable) :class:`Binding` with what the model takes from
+        ``data`` (covariate references and levels -- this model's own if it is bound --, the
+        structural model specialised to the data's dosing routes, the record order). Pure:
+        the model is not changed, and the same data give the same arguments whatever data
+        the model met before.
+
+        :raises TypeError: ``data`` not a :class:`~numpyro_fed.nlme.data.PKDataset`.
+        :raises ValueError: data the model cannot take: a covariate missing or of the wrong
+            kind; a dose the structural model refuses; an observation of a compartment the
+            structural model lacks or does not predict; an observation the error model
+            cannot evaluate; a finite value beyond the float range of JAX; no subject. The
+            message names the subject, the row of the input table and its column.
+        """
+        b = self._bind(data)
+        return self._arrays(data, b)
+
+    def _arrays(self, data: PKDataset, b: Binding) -> dict[str, Any]:
+        o, d = data.obs, data.doses
+        out: dict[str, Any] = {
             "obs_time": o.time, "dv": o.dv, "obs_mask": o.mask, "cens": o.cens,
             "lloq": o.lloq, "dose_time": d.time, "dose_amt": d.amt, "dose_rate": d.rate,
             "dose_cmt": d.cmt, "dose_ss": d.ss, "dose_ii": d.ii, "dose_mask": d.mask,
             "doses_before": np.asarray(data.doses_before, np.int32),
         }
+        if b.obs_cmt:  # only then: the arguments of data without it are unchanged
+            out["obs_cmt"] = np.asarray(o.cmt, np.int32)
         for c in self.covariate_names:
             out[f"cov_{c}"] = np.asarray(data.covariates[c])
+        out["binding"] = b
         return out
 
+    def _default_binding(self, doses_before=None) -> Binding:
+        """The binding of a call without one: this model's own (bound), else the general
+        structural model and the references given (unbound)."""
+        if self._binding is not None:
+            return self._binding
+        return Binding(references=tuple(sorted(self._references.items())),
+                       levels=tuple(sorted(self._levels.items())), structural=self.structural,
+                       record_order=doses_before is not None)
+
     # ------------------------------------------------------------------ params
-    def _covariate_terms(self, name: str, covs: dict):
-        """``[(param site name, init, design (n,))]`` of the covariate effects of ``name``."""
+    def _covariate_terms(self, name: str, covs: dict, b: Binding | None = None):
+        """``[(param site name, design (n,))]`` of the covariate effects of ``name``."""
+        b = self._default_binding() if b is None else b
+        refs, levels = dict(b.references), dict(b.levels)
         out = []
         for c, kind in self.params[name].covariates.items():
+            if (c not in levels) if kind == "categorical" else (c not in refs):
+                what = "levels are" if kind == "categorical" else "reference is"
+                raise ValueError(
+                    f"covariate {c!r}: its {what} not known: call the model with its data's "
+                    "arguments, "
+                    "pk.model(**pk.arrays(data)), or bind it, pk.bind(data).")
             x = jnp.asarray(covs[c])
             if kind == "linear":
-                out.append((f"beta_{name}_{c}", x - self.references[c]))
+                out.append((f"beta_{name}_{c}", x - refs[c]))
             elif kind == "power":
-                out.append((f"beta_{name}_{c}", jnp.log(x / self.references[c])))
+                out.append((f"beta_{name}_{c}", jnp.log(x / refs[c])))
             else:
-                for lev in range(1, self.levels[c]):
+                for lev in range(1, levels[c]):
                     out.append((f"beta_{name}_{c}_{lev}", (x == lev).astype(jnp.result_type(
                         float))))
         return out
 
-    def typical(self, name: str, covs: dict, theta: dict | None = None):
+    def typical(self, name: str, covs: dict, theta: dict | None = None, *,
+                binding: Binding | None = None):
         """Transformed typical value of ``name`` per subject (``theta``: estimates; default:
-        declares the param sites)."""
+        declares the param sites; ``binding``: the covariate references and levels, by
+        default this model's own)."""
         p = self.params[name]
         get = ((lambda n, v: numpyro.param(n, jnp.asarray(v, jnp.float32)))
                if theta is None else (lambda n, v: jnp.asarray(theta[n])))
         loc = get(f"mu_{name}", float(_INVERSE_NP[p.transform](float(p.value))))
-        for site, x in self._covariate_terms(name, covs):
+        for site, x in self._covariate_terms(name, covs, binding):
             loc = loc + get(site, 0.0) * x
         return loc
 
@@ -291,33 +559,51 @@ class PKModel:
         """Natural-scale individual parameters from their transformed values."""
         return {n: TRANSFORMS[self.params[n].transform][0](v) for n, v in phi.items()}
 
-    def predict(self, indiv: dict, obs_time, doses: Doses, doses_before=None):
+    def predict(self, indiv: dict, obs_time, doses: Doses, doses_before=None, *,
+                binding: Binding | None = None, obs_cmt=None):
         """Structural predictions ``(n, T)`` for individual parameters ``{name: (n,)}``.
 
-        With ``doses_before`` ``(n, T)`` (and data that need it, :attr:`record_order`):
+        With ``doses_before`` ``(n, T)`` (and data that need it, ``binding.record_order``):
         each sample sees only the doses recorded before it -- NONMEM's convention for a dose
         and a sample at the same time -- at the cost of one structural evaluation per
-        sample."""
-        if doses_before is None or not self.record_order:
-            return jax.vmap(self.structural)(indiv, obs_time, doses)
+        sample. ``binding`` (``arrays(data)["binding"]``) gives the structural model
+        specialised to the data's dosing routes; default: this model's own binding if it is
+        bound, else the general structural model. ``obs_cmt`` ``(n, T)`` (``arrays(data)``
+        has it when an observation names a compartment other than the observed one): each
+        observation is predicted in the compartment it names (0: the observed one)."""
+        b = self._default_binding(doses_before) if binding is None else binding
+        structural = b.structural
+        if obs_cmt is None:
+            call = structural
+        else:
+            def call(p, t, d, c):
+                return structural(p, t, d, cmt=c)
+        cmts = () if obs_cmt is None else (jnp.asarray(obs_cmt),)
+        if doses_before is None or not b.record_order:
+            return jax.vmap(call)(indiv, obs_time, doses, *cmts)
 
-        def subject(p, t, d, nb):
+        def subject(p, t, d, nb, *c):
             D = d.mask.shape[-1]
 
-            def sample(tj, nj):
+            def sample(tj, nj, *cj):
                 dj = d._replace(mask=d.mask & (jnp.arange(D) < nj))
-                return self.structural(p, tj[None], dj)[0]
+                return call(p, tj[None], dj, *(x[None] for x in cj))[0]
 
-            return jax.vmap(sample)(t, nb)
+            return jax.vmap(sample)(t, nb, *c)
 
-        return jax.vmap(subject)(indiv, obs_time, doses, doses_before)
+        return jax.vmap(subject)(indiv, obs_time, doses, doses_before, *cmts)
 
     # ------------------------------------------------------------------ model
     def model(self, obs_time, dv=None, obs_mask=None, cens=None, lloq=None, *, dose_time,
               dose_amt, dose_rate, dose_cmt, dose_ss, dose_ii, dose_mask, doses_before=None,
-              **covs):
-        """The NumPyro model (keyword arguments: :meth:`arrays`); ``dv=None`` simulates."""
+              obs_cmt=None, binding: Binding | None = None, **covs):
+        """The NumPyro model (keyword arguments: :meth:`arrays`, ``binding`` included);
+        ``dv=None`` simulates."""
         n, T = obs_time.shape
+        if n == 0:
+            raise ValueError("the data have no subject: a population model needs at least "
+                             "one (obs_time has shape (0, ...)).")
+        b = self._default_binding(doses_before) if binding is None else binding
         covs = {k[4:]: v for k, v in covs.items() if k.startswith("cov_")}
         doses = Doses(dose_time, dose_amt, dose_rate, dose_cmt, dose_ss, dose_ii, dose_mask)
         if obs_mask is None:
@@ -325,7 +611,8 @@ class PKModel:
         errp = self.error.params()
         phi = {}
         with numpyro.plate("subject", n, dim=-1):
-            locs = {nm: jnp.broadcast_to(self.typical(nm, covs), (n,)) for nm in self.names}
+            locs = {nm: jnp.broadcast_to(self.typical(nm, covs, binding=b), (n,))
+                    for nm in self.names}
             if self.omega == "diag":
                 for nm in self.random_names:
                     om = numpyro.param(f"omega_{nm}", jnp.asarray(self.params[nm].omega,
@@ -344,8 +631,16 @@ class PKModel:
             for nm in self.names:
                 if nm not in phi:
                     phi[nm] = locs[nm]
-            f = self.predict(self.individual(phi), obs_time, doses, doses_before)
-            d = self.error.dist(f, errp, cens=cens, lloq=lloq)
+            f = self.predict(self.individual(phi), obs_time, doses, doses_before, binding=b,
+                             obs_cmt=obs_cmt)
+            try:
+                d = self.error.dist(f, errp, cens=cens, lloq=lloq)
+            except ValueError:
+                if b.data is None or b.data.obs.time.shape != (n, T):
+                    raise
+                # again, naming the subjects and rows of the input table
+                self.error.dist(f, errp, cens=cens, lloq=lloq, labels=b.data.labels("obs"))
+                raise
             if dv is not None:
                 # padded entries: a value inside every support (masked out below; keeps the
                 # gradients of the masked terms finite)
@@ -362,7 +657,10 @@ class PKModel:
         """
         run_kw = {k: saem_kwargs.pop(k) for k in ("init_params", "progress_bar")
                   if k in saem_kwargs}
-        arrays = self.arrays(data)
+        b = self._bind(data)
+        # this model's own ``model`` with the binding as a static argument: fits of this
+        # object on data with the same binding share SAEM's compiled programs; the fit
+        # holds a bound copy (this model is unchanged)
         saem = SAEM(self.model, **saem_kwargs)
-        res = saem.run(rng_key, **arrays, **run_kw)
-        return NLMEFit(self, data, res)
+        res = saem.run(rng_key, **self._arrays(data, b), **run_kw)
+        return NLMEFit(self._bound(b), data, res)

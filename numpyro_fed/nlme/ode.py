@@ -25,6 +25,11 @@ differentiable in ``params`` by :func:`jax.grad`, :func:`jax.jacfwd` and :func:`
   one into a compartment the model lacks or with ``rate < 0``, makes the subject's
   predictions NaN.
 
+**Observations** are ``observe(A, params)`` (by default ``A[central-1] / V``); with
+``f(params, t, doses, cmt=cmt)`` (``(T,)`` compartment of each observation, 0 = central) an
+observation of another compartment ``c`` is its amount ``A[c-1]`` (NONMEM's ``A(c)/Sc``
+without a scale ``Sc``).
+
 **Method.** The dose starts, infusion ends and observation times are merged into one sorted
 grid of static size ``2 D + T`` (padding sorted last and skipped); a :func:`jax.lax.scan` over
 it solves the ODE from each grid point to the next with one :func:`diffrax.diffeqsolve`
@@ -191,7 +196,14 @@ class ODEModel(StructuralModel):
         return field
 
     # ---------------------------------------------------------------- prediction
-    def __call__(self, params: Mapping[str, Any], t: jax.Array, doses: Any) -> jax.Array:
+    @property
+    def predicted_cmts(self) -> tuple[int, ...]:
+        """The compartments an observation may name (``cmt=`` of :meth:`__call__`): all."""
+        return tuple(sorted(self.compartments))
+
+    def __call__(
+        self, params: Mapping[str, Any], t: jax.Array, doses: Any, cmt: Any = None
+    ) -> jax.Array:
         """Observations ``(T,)`` (``observe(A(t), params)``, by default the concentration
         ``A[central-1] / params[volume]``) for one subject.
 
@@ -199,15 +211,22 @@ class ODEModel(StructuralModel):
             ``optional_params``).
         :param t: ``(T,)`` observation times.
         :param doses: dosing record, fields ``time, amt, rate, cmt, ss, ii, mask`` ``(D,)``.
+        :param cmt: optional ``(T,)`` int compartment of each observation: 0 or ``central``
+            give ``observe(A(t), params)``; another compartment ``c`` its amount
+            ``A[c-1](t)`` (NONMEM's ``A(c)/Sc`` without a scale ``Sc``); a number beyond
+            the compartments NaN.
         :return: ``(T,)`` predictions.
         :raises ValueError: unknown or missing parameter names, bad shapes (trace time).
         """
         p, t, d = self._prepare(params, t, doses)
         if d.time.shape[0] == 0:  # no dose column: one padding dose
             d = _DoseArrays(*(jnp.zeros((1,), a.dtype) for a in d))
-        return self._solve_jit(p, t, d) + self._poison(d)
+        if cmt is not None:
+            cmt = jnp.broadcast_to(jnp.asarray(cmt, jnp.int32), t.shape)
+        return self._solve_jit(p, t, d, cmt) + self._poison(d)
 
-    def _solve(self, p: dict[str, jax.Array], t: jax.Array, d: _DoseArrays) -> jax.Array:
+    def _solve(self, p: dict[str, jax.Array], t: jax.Array, d: _DoseArrays,
+               cmt: jax.Array | None = None) -> jax.Array:
         n, dtype = self.n_states, t.dtype
         D, T = d.time.shape[0], t.shape[0]
         amt = jnp.where(d.cmt == self.default_dose_cmt, p["F"] * d.amt, d.amt)
@@ -256,6 +275,10 @@ class ODEModel(StructuralModel):
             A = A + jnp.where(valid & (kd == 0) & bolus[jd], amt[jd], 0.0) * onehot[jd]
             jo = jnp.clip(j, 0, T - 1)
             y = self._observe(A, p)
+            if cmt is not None:  # the compartment the observation names
+                c = cmt[jo]
+                amount = jnp.where(c <= n, A[jnp.clip(c - 1, 0, n - 1)], jnp.nan)
+                y = jnp.where((c == 0) | (c == self.central), y, amount)
             out = out.at[jo].set(jnp.where(valid & (kd == 2), y, out[jo]))
             return (A, t_new, out), None
 

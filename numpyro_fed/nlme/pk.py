@@ -36,7 +36,11 @@ those of the second one. All must be positive. Optional parameters (defaults in
   (the depot with first-order absorption, the central compartment without: NONMEM's ``F1``).
   For an infusion the rate is kept and the duration becomes ``F * amt / rate`` (NONMEM).
 
-The prediction is ``A_central(t) / V``.
+The prediction is ``A_central(t) / V``. With ``f(params, t, doses, cmt=cmt)`` (``cmt``:
+``(T,)`` compartment of each observation, 0 = central) an observation of the depot gets the
+depot amount ``A_depot(t)`` (NONMEM's ``A(1)/S1`` without a scale ``S1``); peripheral
+amounts are not computed (NaN; :class:`~numpyro_fed.nlme.model.PKModel` refuses such
+observations on the host). ``predicted_cmts`` lists the compartments predicted.
 
 **Dosing** (any mix, per dose): bolus (``rate = 0``) into the depot (first-order absorption),
 the central compartment (IV bolus) or a peripheral one; zero-order infusion (``rate > 0``,
@@ -158,6 +162,14 @@ class _DoseArrays(NamedTuple):
     mask: jax.Array
 
 
+def _dose_where(idx: tuple[int, ...], field: str, locate: Any) -> str:
+    """Which dose a message is about: ``locate(idx, field)`` (e.g. the subject, row and
+    column of the input table), else its index in the dose arrays."""
+    if locate is not None:
+        return str(locate(idx, field))
+    return f"dose at index {idx} of the dose arrays"
+
+
 def _host_doses(doses: Any) -> dict[str, np.ndarray]:
     """The dose fields as numpy arrays of one (broadcast) shape, for host-side checks."""
     missing = [f for f in DOSE_FIELDS if not hasattr(doses, f)]
@@ -195,7 +207,9 @@ class StructuralModel(ABC):
     supports_steady_state: bool = True
 
     @abstractmethod
-    def __call__(self, params: Mapping[str, Any], t: jax.Array, doses: Any) -> jax.Array:
+    def __call__(
+        self, params: Mapping[str, Any], t: jax.Array, doses: Any, cmt: Any = None
+    ) -> jax.Array:
         """Concentrations ``(T,)`` in the observed compartment for one subject.
 
         :param params: parameter name -> scalar (every name of ``param_names``, any of
@@ -203,6 +217,9 @@ class StructuralModel(ABC):
         :param t: ``(T,)`` observation times.
         :param doses: dosing record with fields ``time, amt, rate, cmt, ss, ii, mask``, each
             ``(D,)``.
+        :param cmt: optional ``(T,)`` compartment of each observation (0: the observed one);
+            one of ``predicted_cmts`` other than ``observed_cmt`` is predicted as its amount
+            (NONMEM's ``A(n)/Sn`` without a scale), another one is NaN.
         :return: ``(T,)`` predicted concentrations.
         """
 
@@ -302,16 +319,20 @@ class StructuralModel(ABC):
         return jnp.where(jnp.any(d.mask & bad), jnp.nan, 0.0).astype(d.time.dtype)
 
     # ---------------------------------------------------------------- host-side checks
-    def check_doses(self, doses: Any) -> None:
+    def check_doses(self, doses: Any, locate: Any = None) -> None:
         """Check a dosing record on the host (numpy), for one subject ``(D,)`` or many
         ``(n, D)``: what cannot be checked inside ``jit``.
 
         :param doses: dosing record (fields ``time, amt, rate, cmt, ss, ii, mask``).
+        :param locate: optional ``locate(index, field) -> str`` naming the dose at ``index``
+            of the arrays and the column of ``field`` (``"cmt"``, ``"rate"``, ...) for the
+            message (:class:`~numpyro_fed.nlme.model.PKModel` names the subject, the row of
+            the input table and its column); default: the index in the dose arrays.
         :raises TypeError: a field is missing.
         :raises ValueError: a real (``mask = True``) dose goes into a compartment the model
             does not have, has a non-finite or negative ``time``/``amt``/``rate``, a zero
             amount with ``rate > 0``, or a steady-state setting the model does not support;
-            the message gives the dose's index and the valid values.
+            the message says which dose (``locate``) and the valid values.
         """
         a = _host_doses(doses)
         mask = a["mask"].astype(bool)
@@ -319,10 +340,10 @@ class StructuralModel(ABC):
         def first(bad: np.ndarray) -> tuple[int, ...]:
             return tuple(int(i) for i in np.argwhere(bad & mask)[0])
 
-        def fail(bad: np.ndarray, what: str) -> None:
+        def fail(bad: np.ndarray, what: Any, field: str = "") -> None:
             if np.any(bad & mask):
                 idx = first(bad)
-                raise ValueError(f"dose at index {idx} of the dose arrays: {what(idx)}")
+                raise ValueError(f"{_dose_where(idx, field, locate)}: {what(idx)}")
 
         cmt = a["cmt"]
         valid_cmt = np.isin(cmt, list(self.compartments))
@@ -333,10 +354,15 @@ class StructuralModel(ABC):
                 f"{self.compartments} (dose into {self.default_dose_cmt} = "
                 f"{self.compartments[self.default_dose_cmt]!r} by default)."
             ),
+            "cmt",
         )
         for field in ("time", "amt", "rate"):
             v = a[field].astype(float)
-            fail(~np.isfinite(v), lambda i, v=v, field=field: f"{field}={v[i]} is not finite.")
+            fail(
+                ~np.isfinite(v),
+                lambda i, v=v, field=field: f"{field}={v[i]} is not finite.",
+                field,
+            )
         rate = a["rate"].astype(float)
         amt = a["amt"].astype(float)
         fail(
@@ -345,14 +371,16 @@ class StructuralModel(ABC):
                 f"rate={rate[i]:g} < 0: modelled rates/durations (NONMEM RATE=-1/-2) are not "
                 "supported; give the infusion rate (> 0) or 0 for a bolus."
             ),
+            "rate",
         )
-        fail(amt < 0, lambda i: f"amt={amt[i]:g} < 0: amounts must be >= 0.")
+        fail(amt < 0, lambda i: f"amt={amt[i]:g} < 0: amounts must be >= 0.", "amt")
         fail(
             (rate > 0) & (amt <= 0),
             lambda i: (
                 f"an infusion (rate={rate[i]:g}) with amt={amt[i]:g}: infusions need amt > 0 "
                 "(a constant steady-state infusion, AMT=0 RATE>0 SS=1 II=0, is not supported)."
             ),
+            "amt",
         )
         ss = a["ss"].astype(bool)
         ii = a["ii"].astype(float)
@@ -364,6 +392,7 @@ class StructuralModel(ABC):
                     "dosing history into individual doses (e.g. enough doses every ii to reach "
                     "steady state) or use an analytic compartment_model."
                 ),
+                "ss",
             )
             return
         fail(
@@ -372,6 +401,7 @@ class StructuralModel(ABC):
                 f"ss=True with ii={ii[i]:g}: a steady-state dose needs an interdose interval "
                 "ii > 0 (constant steady-state infusions, II=0, are not supported)."
             ),
+            "ii",
         )
         with np.errstate(divide="ignore", invalid="ignore"):
             dur = np.where(rate > 0, amt / np.where(rate > 0, rate, 1.0), 0.0)
@@ -381,6 +411,7 @@ class StructuralModel(ABC):
                 f"steady-state infusion of duration amt/rate={dur[i]:g} longer than its "
                 f"interval ii={ii[i]:g}: overlapping steady-state infusions are not supported."
             ),
+            "rate",
         )
 
 
@@ -737,11 +768,12 @@ class CompartmentModel(StructuralModel):
             ok = _or(ok, _and(member, into))
         return ok
 
-    def check_doses(self, doses: Any) -> None:
+    def check_doses(self, doses: Any, locate: Any = None) -> None:
         """Check a dosing record on the host (numpy), for one subject ``(D,)`` or many
         ``(n, D)``: what cannot be checked inside ``jit``.
 
         :param doses: dosing record (fields ``time, amt, rate, cmt, ss, ii, mask``).
+        :param locate: see :meth:`StructuralModel.check_doses`.
         :raises TypeError: a field is missing.
         :raises ValueError: a real (``mask = True``) dose goes into a compartment the model
             does not have, has a non-finite or negative ``time``/``amt``/``rate``, a zero
@@ -749,7 +781,7 @@ class CompartmentModel(StructuralModel):
             model) takes a route the model was not specialised for; the message gives the
             dose's index and the valid values.
         """
-        super().check_doses(doses)
+        super().check_doses(doses, locate)
         if not self.is_specialized:
             return
         a = _host_doses(doses)
@@ -767,7 +799,7 @@ class CompartmentModel(StructuralModel):
         )
         routes = ", ".join(f"{k} into {c}" for k, c in sorted(self.routes)) or "none"
         raise ValueError(
-            f"dose at index {idx} of the dose arrays: {what} is not a route of {self!r}, "
+            f"{_dose_where(idx, 'cmt', locate)}: {what} is not a route of {self!r}, "
             f"specialised by for_doses to the routes [{routes}]"
             f"{'' if self.steady_state else ' without steady state'}. Rebuild the structural "
             "model with model.for_doses(doses) on the new data (or use the general "
@@ -841,21 +873,102 @@ class CompartmentModel(StructuralModel):
         return lam, rows / denom
 
     # ---------------------------------------------------------------- prediction
-    def __call__(self, params: Mapping[str, Any], t: jax.Array, doses: Any) -> jax.Array:
-        """Concentrations ``(T,)`` in the central compartment for one subject.
+    @property
+    def predicted_cmts(self) -> tuple[int, ...]:
+        """The compartments an observation may name (``cmt=`` of :meth:`__call__`): the
+        central one and, with first-order absorption, the depot (its amount, NONMEM's
+        ``A(1)/S1`` with ``S1 = 1``); the peripheral amounts are not computed."""
+        return (1, 2) if self.absorption is not None else (1,)
+
+    def __call__(
+        self, params: Mapping[str, Any], t: jax.Array, doses: Any, cmt: Any = None
+    ) -> jax.Array:
+        """Concentrations ``(T,)`` in the central compartment for one subject (or, with
+        ``cmt``, in the compartment each observation names).
 
         :param params: ``{name: scalar}`` with every name of ``param_names`` (and any of
             ``TLAG``, ``F``).
         :param t: ``(T,)`` observation times.
         :param doses: dosing record, fields ``time, amt, rate, cmt, ss, ii, mask`` ``(D,)``.
-        :return: ``(T,)`` central concentrations ``A_central(t) / V``.
+        :param cmt: optional ``(T,)`` int compartment of each observation: 0 or the central
+            one give ``A_central(t) / V``; the depot (1, with first-order absorption) gives
+            its amount ``A_depot(t)`` (NONMEM's prediction ``A(1)/S1`` without a scale
+            ``S1``); another compartment gives NaN (checked on the host by
+            :class:`~numpyro_fed.nlme.model.PKModel`).
+        :return: ``(T,)`` central concentrations ``A_central(t) / V`` (see ``cmt``).
         :raises ValueError: unknown or missing parameter names, non-scalar parameters, bad
             shapes (at trace time).
         """
         p, t, d = self._prepare(params, t, doses)
         # TLAG and F are static: absent from params, their (neutral) code is not traced
-        amount = self._central_amount(p, t, d, lag="TLAG" in params, bio="F" in params)
-        return amount / p["V"] + self._poison(d)
+        lag, bio = "TLAG" in params, "F" in params
+        out = self._central_amount(p, t, d, lag=lag, bio=bio) / p["V"]
+        if cmt is not None:
+            cmt = jnp.asarray(cmt, jnp.int32)
+            central = self.observed_cmt
+            other = jnp.full(t.shape, jnp.nan, t.dtype)
+            if self.absorption is not None:
+                other = jnp.where(cmt == 1, self._depot_amount(p, t, d, lag, bio), other)
+            out = jnp.where((cmt == 0) | (cmt == central), out, other)
+        return out + self._poison(d)
+
+    def _depot_amount(
+        self, p: dict[str, jax.Array], t: jax.Array, d: _DoseArrays, lag: bool, bio: bool
+    ) -> jax.Array:
+        """Amount ``(T,)`` in the depot: the sum over the doses into it (bolus: ``F amt
+        e^{-ka x}``; infusion: ``rate (1 - e^{-ka x}) / ka`` while it runs, then decaying;
+        steady state: the geometric sum of the train), with the dose timing (``TLAG``,
+        steady-state resets) of :meth:`_central_amount`."""
+        ka = p["KA"]
+        zero = jnp.zeros((), t.dtype)
+        depot = d.mask & (d.cmt == 1)
+        amt = p["F"] * d.amt if bio else d.amt
+        inf = depot & (d.rate > 0)
+        rate = jnp.where(inf, d.rate, 1.0)
+        tau = jnp.where(inf, amt / rate, zero)
+        te = d.time + p["TLAG"] if lag else d.time
+        dt = t[:, None] - te[None, :]
+        ss = d.ss & depot
+        if self.steady_state:
+            ii = jnp.where(d.ss, d.ii, 1.0)
+            m0 = jnp.where(d.ss & (dt < 0), jnp.ceil(-dt / ii), 0.0)
+            dt = dt + m0 * ii
+            started = jnp.where(d.ss, t[:, None] >= d.time[None, :], dt >= 0)
+            idx = jnp.arange(d.time.shape[0])
+            later = (d.time[None, :] > d.time[:, None]) | (
+                (d.time[None, :] == d.time[:, None]) & (idx[None, :] > idx[:, None])
+            )
+            reset = jnp.min(
+                jnp.where(later & d.ss[None, :], d.time[None, :], jnp.inf), axis=1,
+                initial=jnp.inf)
+            active = d.mask[None, :] & started & (t[:, None] < reset[None, :])
+        else:
+            ii = jnp.ones_like(d.time)
+            active = d.mask[None, :] & (dt >= 0)
+        x = jnp.where(active, jnp.maximum(dt, 0.0), 0.0)
+        running = x < tau[None, :]
+        # g(y) = (1 - e^{-ka y}) / ka, without cancellation
+        g = lambda y: -jnp.expm1(-ka * y) / ka  # noqa: E731
+        after = jnp.where(running, 0.0, x - tau[None, :])
+        single = jnp.where(
+            inf[None, :],
+            d.rate[None, :] * jnp.where(running, g(x), g(tau)[None, :] * jnp.exp(-ka * after)),
+            amt[None, :] * jnp.exp(-ka * x),
+        )
+        if self.steady_state:
+            # the earlier doses of the train, every ii before this one (all finished: tau <=
+            # ii): bolus amt e^{-ka (x + k ii)}, infusion rate g(tau) e^{-ka (x - tau + k ii)},
+            # k >= 1, summed
+            iic = ii[None, :]
+            train = jnp.where(
+                inf[None, :],
+                d.rate[None, :] * g(tau)[None, :] * jnp.exp(-ka * (x - tau[None, :] + iic)),
+                amt[None, :] * jnp.exp(-ka * (x + iic)),
+            ) / -jnp.expm1(-ka * iic)
+            single = single + jnp.where(ss[None, :], train, 0.0)
+            bad = ss & inf & (tau > ii)  # overlapping steady-state infusions: NaN
+            single = jnp.where(bad[None, :], jnp.nan, single)
+        return jnp.sum(jnp.where(active & depot[None, :], single, 0.0), axis=1)
 
     def _central_amount(
         self, p: dict[str, jax.Array], t: jax.Array, d: _DoseArrays, lag: bool, bio: bool

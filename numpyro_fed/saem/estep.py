@@ -371,6 +371,16 @@ class LangevinEStep:
         return f"step_size={float(h[0]):.3g}"
 
 
+def _energy_finite(kstate) -> jax.Array:
+    """Whether the potential energy a NumPyro kernel state tracks (``potential_energy``,
+    or ``energy`` for the federated kernels) is finite; ``True`` when it tracks none."""
+    for field in ("potential_energy", "energy"):
+        e = getattr(kstate, field, None)
+        if e is not None and hasattr(e, "dtype") and jnp.issubdtype(e.dtype, jnp.floating):
+            return jnp.all(jnp.isfinite(e))
+    return jnp.asarray(True)
+
+
 class NumPyroEStep:
     """Any NumPyro :class:`~numpyro.infer.mcmc.MCMCKernel` as the E-step.
 
@@ -481,5 +491,8 @@ class NumPyroEStep:
         zdt = state[0].dtype
         kstate, acc_sum = lax.fori_loop(0, num_steps, body, (kstate, jnp.zeros((), zdt)))
         zf = jax.vmap(lambda st: ravel_pytree(getattr(st, self.field))[0])(kstate)
-        finite = jnp.all(jnp.isfinite(zf))
+        # the kernel's own divergence check is off (see __init__): the E-step is finite when
+        # its latents AND the potential energy it tracks are (a chain running off to 1e20 has
+        # finite coordinates but an infinite energy -- what the kernel's guard caught)
+        finite = jnp.all(jnp.isfinite(zf)) & _energy_finite(kstate)
         return (zf, kstate), acc_sum / jnp.maximum(num_steps, 1).astype(zdt), finite

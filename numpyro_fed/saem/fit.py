@@ -54,8 +54,8 @@ from numpyro_fed.saem.mstep import (
     UserMStep,
     detect_gaussian,
 )
-from numpyro_fed.saem.result import SAEMResult
-from numpyro_fed.saem.schedule import Schedule
+from numpyro_fed.saem.result import SAEMResult, boundary_advice, boundary_collapse, run_off
+from numpyro_fed.saem.schedule import MAX_ITERATIONS, Schedule
 
 __all__ = ["SAEM", "SAEMState", "fit_saem"]
 
@@ -272,6 +272,13 @@ class SAEM:
         self.num_mcmc_steps = check_int("num_mcmc_steps", num_mcmc_steps, minimum=1)
         self._num_chains = check_int("num_chains", num_chains, minimum=1, allow_none=True)
         self.num_draws = check_int("num_draws", num_draws, minimum=1)
+        if self.num_draws > MAX_ITERATIONS:
+            # kept draws are a (num_draws, chains, latents) buffer of the compiled loop
+            raise ValueError(
+                f"num_draws={self.num_draws}: more than {MAX_ITERATIONS:,} draws per chain "
+                "(each a copy of every latent variable, kept in memory); the default 200 "
+                "gives standard errors and the likelihood's proposals."
+            )
         self.init_strategy = init_strategy
         self.init_jitter = check_float("init_jitter", init_jitter, low=0.0)
         self.schedule = Schedule() if schedule is None else schedule
@@ -584,7 +591,9 @@ class SAEM:
         state, zs, dacc = carry
         bad = int(state.bad_iter)
         if bad != -1:
-            raise self._divergence_error(st, state, theta0, bad, args, kwargs)
+            # the updates before the failure (a failed iteration keeps the last finite theta)
+            traj = thetas[B1:B1 + max(bad, 0)]
+            raise self._divergence_error(st, state, theta0, bad, args, kwargs, traj)
         res = SAEMResult(
             model=self.model, info=info, layout=st.layout if st.has_subjects else None,
             ids=ids, theta=np.asarray(state.theta),
@@ -593,9 +602,9 @@ class SAEM:
             centring=np.asarray(aux[1]) if st.use_fisher else None,
             mstep=st.mstep.kind, args=args, kwargs=kwargs,
             num_exploration=self.schedule.num_exploration, settings=self._describe(st),
-            programs=st.programs.setdefault("result", {}),
+            programs=st.programs.setdefault("result", {}), theta0=np.asarray(theta0),
         )
-        res.check_convergence(warn=True)
+        res.convergence_messages = res.check_convergence(warn=True)
         return res
 
     fit = run
@@ -616,11 +625,39 @@ class SAEM:
         return ids
 
     def _divergence_error(self, st: _Structure, state: SAEMState, theta0, bad: int, args,
-                          kwargs) -> DivergenceError:
+                          kwargs, traj=None) -> DivergenceError:
         """The error for a non-finite E-step (host side, after the run): it quotes the
         E-step kernel's own step size and, when the log-density of a site is already
-        non-finite at that theta for the latents the E-step started from, names the site."""
+        non-finite at that theta for the latents the E-step started from, names the site.
+        When a parameter was heading to the boundary of its support (a variance collapsing
+        to 0, see :func:`~numpyro_fed.saem.result.boundary_collapse`), that is the cause
+        named, with its last finite value and the iteration."""
         info = st.info
+        ran = ""
+        if bad >= 0 and traj is not None and len(traj):
+            tc = np.asarray(jax.vmap(info.theta_c_flat)(jnp.asarray(traj)))
+            tc0 = np.asarray(info.theta_c_flat(jnp.asarray(theta0)))
+            off = run_off(info, tc, tc0)
+            if off:
+                ran = (" Before that, " + ", ".join(
+                    f"'{o['name']}' ran from {o['start']:.4g} (theta_0) to {o['value']:.4g}"
+                    for o in off) + f" in {len(tc)} iteration{'s' if len(tc) > 1 else ''}: "
+                    "the data do not determine "
+                    + ("it" if len(off) == 1 else "them") + " (a degenerate data set -- every "
+                    "observation equal or 0 -- or more random effects than the data show); "
+                    "check the data and simplify the model, or fix "
+                    + ("it" if len(off) == 1 else "them") + ".")
+            b = boundary_collapse(info, tc, tc0)
+            if b is not None:
+                what = "M-step" if bool(state.bad_mstep) else "E-step"
+                return DivergenceError(
+                    f"SAEM: '{b['name']}' collapsed to its boundary {b['bound']:g}: its last "
+                    f"finite value was {b['value']:.3g} at iteration {b['iteration']} (down "
+                    f"from {b['reference']:.3g}), and the {what} became non-finite at "
+                    f"iteration {bad + 1} (theta={_format_theta(info, state.bad_theta)}). The "
+                    f"constraint of '{b['name']}' is respected; "
+                    + boundary_advice(b) + "."
+                )
         summary = st.estep.step_size_summary(state.estate)
         if not st.builtin:
             name = type(st.estep.kernel).__name__
@@ -648,11 +685,13 @@ class SAEM:
                 f"(E-step: {summary}): at this theta the log-density of "
                 f"site{'s' if len(sites) > 1 else ''} {names} is not "
                 "finite for the current latents, so the M-step moved a param where the model "
-                "is not defined. Declare each param's constraint (e.g. "
-                "`constraint=constraints.positive` for a scale or a variance) or give "
-                "`init_params` closer to the data"
-                + ("." if st.builtin and self.step_size is None else
-                   f"; if theta ran off because the E-step diverged first, {fix}.")
+                "is not defined."
+                + (ran if ran else
+                   " Declare each param's constraint (e.g. "
+                   "`constraint=constraints.positive` for a scale or a variance) or give "
+                   "`init_params` closer to the data"
+                   + ("." if st.builtin and self.step_size is None else
+                      f"; if theta ran off because the E-step diverged first, {fix}."))
             )
         if bool(state.bad_mstep):  # the model is finite there: the M-step itself
             what = ("your SufficientStatistics maximizer"
@@ -663,11 +702,11 @@ class SAEM:
                 f"theta={theta} and finite latents (E-step: {summary}): {what} is not "
                 "defined at these statistics. Check it (a variance from a negative difference, "
                 "a division by a zero count), declare each param's constraint, or give "
-                "`init_params` closer to the data."
+                "`init_params` closer to the data." + ran
             )
         return DivergenceError(
             f"SAEM: the E-step became non-finite at iteration {bad} with theta={theta} "
-            f"(E-step: {summary}); {fix}."
+            f"(E-step: {summary}); {fix}." + ran
         )
 
     def _describe(self, st: _Structure) -> dict:

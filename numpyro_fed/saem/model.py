@@ -158,6 +158,7 @@ class ModelInfo:
                     "numbers of observations per subject), and drop padded subjects from the "
                     "data instead of masking their random effects."
                 )
+        _check_not_empty(latents, observed, args, kwargs)
         for n, s in observed.items():
             _check_observed(n, s)
         self.param_names = sorted(params)
@@ -355,12 +356,52 @@ def _trace_model(model, args, kwargs, key):
     and the sizes."""
     try:
         return trace(seed(model, key)).get_trace(*args, **kwargs)
+    except AssertionError as err:
+        # NumPyro's bare `assert size > 0, "size of plate should be positive"`
+        if "plate should be positive" not in str(err):
+            raise
+        raise ValueError(
+            "SAEM: a plate of the model has size 0" + _empty_data_note(args, kwargs)
+            + ". SAEM needs at least one subject (and one observation) to estimate "
+            "anything: check the data passed to SAEM.run (a filter that removed every "
+            "row, the wrong column)."
+        ) from err
     except ValueError as err:
         msg = _plate_mismatch_message(err) or _invalid_param_message(model, args, kwargs, key,
                                                                      err)
         if msg is None:
             raise
         raise ValueError(msg) from err
+
+
+def _empty_data_note(args, kwargs) -> str:
+    """``" (empty data: x of shape (0,), ...)"`` for the array arguments with no element."""
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    empty = [f"{n} of shape {tuple(np.shape(v))}" for n, v in named
+             if hasattr(v, "shape") and hasattr(v, "dtype") and np.size(v) == 0]
+    return f" (empty data: {', '.join(empty)})" if empty else ""
+
+
+def _check_not_empty(latents: dict, observed: dict, args, kwargs) -> None:
+    """Refuse a latent site with no element (zero subjects) and a model with no
+    observation: there is nothing to estimate, and the E-step's reductions over zero
+    elements fail with bare errors."""
+    for n, s in latents.items():
+        if int(np.size(s["value"])) == 0:
+            raise ValueError(
+                f"SAEM: latent site '{n}' has no element (shape "
+                f"{tuple(jnp.shape(s['value']))}): zero subjects"
+                + _empty_data_note(args, kwargs) + ". SAEM needs at least one subject to "
+                "estimate anything: check the data passed to SAEM.run (a filter that "
+                "removed every row, the wrong column)."
+            )
+    if observed and all(int(np.size(s["value"])) == 0 for s in observed.values()):
+        raise ValueError(
+            f"SAEM: the observed site{'s' if len(observed) > 1 else ''} "
+            + ", ".join(f"'{n}'" for n in sorted(observed)) + " have no element: zero "
+            "observations" + _empty_data_note(args, kwargs) + ". SAEM fits a model to data: "
+            "check the data passed to SAEM.run."
+        )
 
 
 def _invalid_param_message(model, args, kwargs, key, err: BaseException) -> str | None:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
+from numpyro_fed._validation import check_int, check_positive_float
 from numpyro_fed.saem import likelihood as lik
 from numpyro_fed.saem.model import (
     ModelInfo,
@@ -21,11 +22,192 @@ from numpyro_fed.saem.model import (
     split_data,
 )
 
-__all__ = ["SAEMResult", "ConvergenceWarning"]
+__all__ = ["SAEMResult", "ConvergenceWarning", "StandardErrors", "boundary_collapse"]
 
 
 class ConvergenceWarning(UserWarning):
-    """The SAEM fit shows signs of not having converged."""
+    """The SAEM fit shows signs of not having converged (see
+    :meth:`SAEMResult.check_convergence`); its standard errors and -2LL are then not to be
+    trusted, and say so."""
+
+
+#: a coordinate whose distance to the boundary of its support fell below this fraction of
+#: the largest distance it had before (from theta_0 on) is "heading to its boundary": three
+#: orders of magnitude (a standard deviation of 1 becoming 0.001) is no longer a Monte Carlo
+#: fluctuation of a well-defined estimate (those are a few percent in the final phase), and
+#: NONMEM's own boundary test flags far smaller moves
+BOUNDARY_RATIO = 1e-3
+
+
+#: fewest iterations of the final (decreasing-step) phase. The drift test compares means over
+#: its quarters (12 iterations each at 50), and the averaging needs them: at gamma_k =
+#: k^(-2/3), iteration 50 still carries sqrt(gamma/2) ~ 20% of one draw's Monte Carlo noise;
+#: saemix's final phase is 100 iterations, SAEM's default 200
+MIN_FINAL_ITERS = 50
+#: fewest exploration iterations (when there is an exploration phase): the adaptive E-step
+#: tunes its step sizes (dual averaging needs tens of iterations) and the variances are
+#: annealed during it
+MIN_EXPLORATION_ITERS = 20
+#: an estimate moving across the last half of the final phase by more than this many of its
+#: standard errors has not reached the maximum: its end point is then further from the
+#: maximum than the targets of tests/test_saem_defaults.py (0.2 SE for fixed effects, 0.3 SE
+#: for variances). Measured on default fits that meet those targets (the change along the
+#: least-squares line, largest coordinate): dyestuff 0.061 / 0.043 (seeds 0 / 1),
+#: sleepstudy 0.064, theoph_long 0.030 / 0.082 (seeds 0 / 2), cbpp 0.040, orthodont 0.084
+#: (seed 3), loblolly 0.020, orange 0.017, epil 0.187 / 0.089 (seeds 0 / 1): the threshold
+#: is 1.6 times the largest
+DRIFT_SE = 0.3
+#: lowest acceptance rate of the E-step (and fraction of consecutive latent draws that
+#: differ) over the final phase: the adaptive MALA aims at 0.574; at 5%, the 200 draws at the
+#: final theta hold about 10 distinct points -- too few for the Louis information or for the
+#: likelihood's importance-sampling proposals
+MIN_ACCEPT = 0.05
+
+
+def _half_drift(seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Change of the mean between the two halves of ``seg`` (rows: iterations) and its Monte
+    Carlo standard error, from batch means over ~10 iterations (the iterates are
+    autocorrelated: batch means keep that in the error)."""
+    h = len(seg) // 2
+    a, b = seg[:h], seg[h:2 * h]
+    nbm = max(h // 10, 2)
+
+    def se_mean(x):
+        m = len(x) // nbm
+        bm = x[: m * nbm].reshape(nbm, m, -1).mean(1)
+        return bm.std(0, ddof=1) / np.sqrt(nbm)
+
+    return b.mean(0) - a.mean(0), np.sqrt(se_mean(a) ** 2 + se_mean(b) ** 2)
+
+
+def _trend(seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Least-squares change of each column of ``seg`` (rows: iterations) across the segment,
+    ``slope * len(seg)``, and its Monte Carlo standard error: the residuals of the line are
+    autocorrelated (SA iterates), so their long-run variance is estimated by batch means
+    (~10 batches) and carried into the slope's variance."""
+    n = len(seg)
+    t = np.arange(n, dtype=np.float64) - (n - 1) / 2.0
+    stt = float(t @ t)
+    xc = seg - seg.mean(0)
+    slope = (t @ xc) / stt
+    r = xc - np.outer(t, slope)
+    nb = max(min(10, n // 5), 2)
+    m = n // nb
+    bm = r[: m * nb].reshape(nb, m, -1).mean(1)
+    lrv = m * bm.var(0, ddof=1)  # long-run variance of one residual
+    return slope * n, np.sqrt(lrv / stt) * n
+
+
+def _boundary_coords(info) -> list[tuple[int, str, float, int]]:
+    """``(flat constrained index, name, bound, sign)`` for every coordinate of theta whose
+    support has a finite boundary: ``sign * (x - bound) > 0`` inside. Lower/upper bounds of
+    elementwise constraints (``positive``, ``interval``, ...); the diagonal of covariance
+    and Cholesky parameters (bound 0: a variance of the matrix collapsing)."""
+    out = []
+    for i, n in enumerate(info.param_names):
+        c = info.param_constraints[n]
+        off = int(info.param_offsets[i])
+        size = int(info.param_offsets[i + 1]) - off
+        names = info.theta_coord_names[off:off + size]
+        lo, hi = getattr(c, "lower_bound", None), getattr(c, "upper_bound", None)
+        if getattr(c, "event_dim", 0) == 0 and (lo is not None or hi is not None):
+            for j in range(size):
+                if lo is not None and np.all(np.isfinite(lo)):
+                    out.append((off + j, names[j], float(np.reshape(lo, -1)[0]), 1))
+                if hi is not None and np.all(np.isfinite(hi)):
+                    out.append((off + j, names[j], float(np.reshape(hi, -1)[0]), -1))
+        elif type(c).__name__ in ("_PositiveDefinite", "_LowerCholesky",
+                                  "_ScaledUnitLowerCholesky", "_SoftplusLowerCholesky",
+                                  "_PositiveSemiDefinite"):
+            shape = np.shape(info.theta0_c[n])
+            if len(shape) == 2 and shape[0] == shape[1]:
+                for j in range(shape[0]):
+                    k = j * shape[1] + j
+                    out.append((off + k, names[k], 0.0, 1))
+    return out
+
+
+def boundary_collapse(info, theta_c: np.ndarray, theta0_c: np.ndarray | None = None):
+    """The coordinate of theta heading fastest to the boundary of its support along the
+    trajectory ``theta_c`` (rows: iterations, constrained flat coordinates), or ``None``.
+
+    A coordinate heads to its boundary when its distance to it falls below
+    :data:`BOUNDARY_RATIO` times the largest distance it had before (``theta0_c`` included):
+    a variance whose maximum-likelihood estimate is 0 (a random effect the data do not
+    show, every observation equal) goes there geometrically under EM.
+
+    :return: ``None`` or a dict with ``name``, ``bound``, ``value`` (its value at
+        ``iteration``, the 1-based row where the ratio is smallest), ``ratio`` and
+        ``reference`` (the value it fell from).
+    """
+    rows = np.asarray(theta_c, np.float64)
+    if theta0_c is not None:
+        rows = np.concatenate([np.asarray(theta0_c, np.float64).reshape(1, -1), rows])
+    first = 0 if theta0_c is None else 1
+    best = None
+    for j, name, bound, sign in _boundary_coords(info):
+        d = sign * (rows[:, j] - bound)
+        ok = np.isfinite(d)
+        if ok.sum() < 2:
+            continue
+        d = np.where(ok, d, np.nan)
+        run_max = np.fmax.accumulate(np.where(ok, d, -np.inf))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(ok & (run_max > 0), d / run_max, np.nan)
+        ratio[: first + 1] = np.nan  # a row is compared with those before it
+        if not np.any(np.isfinite(ratio)):
+            continue
+        k = int(np.nanargmin(ratio))
+        r = float(ratio[k])
+        if r < BOUNDARY_RATIO and (best is None or r < best["ratio"]):
+            ref = int(np.nanargmax(np.where(ok[: k + 1], d[: k + 1], -np.inf)))
+            best = {"name": name, "bound": bound, "value": float(rows[k, j]),
+                    "iteration": k - first + 1, "ratio": r, "reference": float(rows[ref, j])}
+    return best
+
+
+#: a coordinate "ran off" when it moved from theta_0 by more than this many units of
+#: ``1 + |start|`` (a location) or by a factor e^RUNOFF towards or away from its bound (a
+#: scale): a factor 20 in a few iterations is not an estimate settling
+RUNOFF = 3.0
+
+
+def run_off(info, theta_c: np.ndarray, theta0_c: np.ndarray, top: int = 2) -> list[dict]:
+    """The coordinates of theta that moved furthest from ``theta0_c`` by the last row of
+    ``theta_c`` (constrained flat), when beyond :data:`RUNOFF`: ``[{name, start, value}]``,
+    the furthest first. Bounded coordinates are measured on the log of their distance to
+    the bound, the others relative to ``1 + |start|``."""
+    rows = np.asarray(theta_c, np.float64)
+    if rows.ndim != 2 or not len(rows):
+        return []
+    last, start = rows[-1], np.asarray(theta0_c, np.float64).reshape(-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        score = np.abs(last - start) / (1.0 + np.abs(start))
+        for j, _, bound, sign in _boundary_coords(info):
+            score[j] = abs(np.log(sign * (last[j] - bound)) - np.log(sign * (start[j] - bound)))
+    score = np.where(np.isfinite(score), score, 0.0)
+    order = [int(j) for j in np.argsort(-score) if score[j] > RUNOFF][:top]
+    names = info.theta_coord_names
+    return [{"name": names[j], "start": float(start[j]), "value": float(last[j])}
+            for j in order]
+
+
+def boundary_advice(b: dict) -> str:
+    """What to do about a parameter at the boundary of its support."""
+    return (f"the maximum-likelihood estimate of '{b['name']}' is probably its boundary "
+            f"{b['bound']:g} (a variance or scale the data do not support: every subject "
+            "alike, all observations equal, a random effect or error term with nothing to "
+            "describe). Remove that random effect or error term from the model (or fix "
+            f"'{b['name']}'), or check the data; estimates and standard errors at a boundary "
+            "are not regular")
+
+
+class StandardErrors(dict):
+    """``{coordinate: standard error}`` with the fit's convergence verdict as attributes
+    ``converged`` and ``convergence_messages`` (see :meth:`SAEMResult.check_convergence`)."""
+
+    converged: bool = True
+    convergence_messages: list = []
 
 
 class SAEMResult:
@@ -40,7 +222,8 @@ class SAEMResult:
 
     def __init__(self, *, model, info: ModelInfo, layout: SubjectLayout | None, ids, theta,
                  thetas_u, gammas, accs, zs, accept_final, centring, mstep, args, kwargs,
-                 num_exploration, settings, programs: dict | None = None) -> None:
+                 num_exploration, settings, programs: dict | None = None,
+                 theta0=None) -> None:
         import pandas as pd
 
         self.model = model
@@ -65,6 +248,11 @@ class SAEMResult:
         self.num_exploration = int(num_exploration)
         self.settings = dict(settings)
         self._ll: dict = {}
+        #: constrained flat theta_0 (the start of the trajectory), for the boundary check
+        self.theta0_c = (None if theta0 is None else
+                         np.asarray(info.theta_c_flat(jnp.asarray(theta0))))
+        #: what :meth:`check_convergence` found at the end of the fit (empty: converged)
+        self.convergence_messages: list[str] = []
         # compiled likelihood programs, shared by every fit of the same structure (the data
         # are arguments), so that a repeated fit does not recompile them
         self._programs = {} if programs is None else programs
@@ -129,9 +317,40 @@ class SAEMResult:
             self._fisher = (info_u + info_u.T) / 2.0
         return self._fisher.copy()
 
+    @property
+    def converged(self) -> bool:
+        """Whether :meth:`check_convergence` found nothing at the end of the fit."""
+        return not self.convergence_messages
+
+    def _warn_unconverged(self, what: str) -> None:
+        """Warn (:class:`ConvergenceWarning`) that ``what`` comes from a fit that has not
+        converged, quoting why."""
+        if self.convergence_messages:
+            why = " | ".join(self.convergence_messages)
+            warnings.warn(
+                f"SAEM: {what} of a fit that has not converged are not to be trusted: {why}",
+                ConvergenceWarning, stacklevel=3)
+
+    def _se_array(self) -> np.ndarray | None:
+        """Standard errors of the constrained coordinates (NaN where the information is not
+        positive definite), or ``None`` without the Louis information; no warning."""
+        if getattr(self, "centring", None) is None:
+            return None
+        try:
+            info_u = self.fisher_information()
+            cov_u = np.linalg.inv(info_u)
+        except (np.linalg.LinAlgError, ValueError, FloatingPointError):
+            return None
+        jac = np.asarray(jax.jacfwd(self.info.theta_c_flat)(jnp.asarray(self.theta)))
+        cov_c = jac @ cov_u @ jac.T
+        return np.sqrt(np.where(np.diag(cov_c) > 0, np.diag(cov_c), np.nan))
+
     def standard_errors(self) -> dict[str, float]:
         """Standard errors of the constrained estimates (delta method on the Louis
-        information in unconstrained coordinates)."""
+        information in unconstrained coordinates). A fit that has not converged
+        (:attr:`converged` false) warns :class:`ConvergenceWarning`; the returned dict then
+        has ``converged`` false and the reasons in ``convergence_messages`` (attributes)."""
+        self._warn_unconverged("standard errors")
         info_u = self.fisher_information()
         try:
             cov_u = np.linalg.inv(info_u)
@@ -143,7 +362,10 @@ class SAEMResult:
         jac = np.asarray(jax.jacfwd(self.info.theta_c_flat)(jnp.asarray(self.theta)))
         cov_c = jac @ cov_u @ jac.T
         se = np.sqrt(np.where(np.diag(cov_c) > 0, np.diag(cov_c), np.nan))
-        return dict(zip(self.names, se.tolist(), strict=True))
+        out = StandardErrors(zip(self.names, se.tolist(), strict=True))
+        out.converged = self.converged
+        out.convergence_messages = list(self.convergence_messages)
+        return out
 
     def summary(self):
         """DataFrame of estimates, standard errors and relative standard errors (%)."""
@@ -154,6 +376,8 @@ class SAEMResult:
               else dict.fromkeys(est, np.nan))
         df = pd.DataFrame({"estimate": est, "se": se})
         df["rse_%"] = 100 * df["se"] / df["estimate"].abs()
+        df.attrs["converged"] = self.converged
+        df.attrs["convergence_messages"] = list(self.convergence_messages)
         return df
 
     # -- latents ------------------------------------------------------------------------------
@@ -202,6 +426,13 @@ class SAEMResult:
         """
         if method not in ("is", "gq", "laplace"):
             raise ValueError(f"method={method!r}: use 'is', 'gq' or 'laplace'.")
+        # the importance sample is drawn in whole batches: num_samples=0 would draw one batch
+        # and report 0 samples, so every size is checked
+        num_samples = check_int("num_samples", num_samples, minimum=1,
+                                hint=" Importance sampling needs draws (default 5000).")
+        batch_size = check_int("batch_size", batch_size, minimum=1)
+        df = check_positive_float("df", df)
+        num_nodes = check_int("num_nodes", num_nodes, minimum=1, allow_none=True)
         info, layout = self.info, self.layout
         key = random.key(0) if rng_key is None else rng_key
         args, kwargs = self.args, self.kwargs
@@ -233,6 +464,7 @@ class SAEMResult:
                 f"log_likelihood(method={method!r}): non-finite value for subject(s) "
                 f"{bad[:10].tolist()}; try method='is' with more samples."
             )
+        self._warn_unconverged(f"the log-likelihood and -2LL (method={method!r})")
         ll = float(ll_i.sum() + float(rest))
         if data_transforms:
             zc, _ = info.constrain_z(zs[0, 0])
@@ -244,6 +476,8 @@ class SAEMResult:
             "loglik": ll, "m2ll": -2 * ll, "m2ll_se": se,
             "aic": -2 * ll + 2 * p, "bic": -2 * ll + math.log(nb) * p,
             "method": method, "num_subjects": int(n),
+            "converged": self.converged,
+            "convergence_messages": list(self.convergence_messages),
         }
         if method == "is":
             out["num_samples"] = int(-(-num_samples // batch_size) * batch_size)
@@ -252,62 +486,137 @@ class SAEMResult:
 
     # -- diagnostics --------------------------------------------------------------------------
     def check_convergence(self, warn: bool = True) -> list[str]:
-        """Signs of a fit that has not converged, as messages naming what to change (and
-        warned as :class:`ConvergenceWarning` when ``warn``):
+        """Signs of a fit that has not converged, as messages naming what to change (warned
+        as :class:`ConvergenceWarning` when ``warn``; the fit keeps them in
+        :attr:`convergence_messages`, and its standard errors and -2LL then warn too):
 
-        - a coordinate of :math:`\\theta` still drifting at the end of the exploration phase:
-          the change of its mean between the two halves of the last 40% of exploration is
-          larger than 3 standard errors of that difference (batch means over 10 iterations)
-          and than 1% of its value -> more ``num_exploration``;
-        - a low acceptance rate of the E-step (< 5% on average over the final phase; not for
-          ULA, whose moves are all taken: its recorded rate is the Metropolis ratio it skips);
-        - a coordinate still moving in the averaging phase: its last value is further from
-          the mean of the second half of the phase than 25% of that phase's range plus 1%.
+        - **phases too short**: a final (decreasing-step) phase of fewer than
+          :data:`MIN_FINAL_ITERS` iterations, or an exploration phase of fewer than
+          :data:`MIN_EXPLORATION_ITERS` (``num_exploration=0``, steps decreasing from the
+          first iteration as in Gruffaz et al. 2024, is a design, judged by the drift test);
+        - **drift in the final phase**: for every coordinate of :math:`\\theta`, its change
+          across the last half of the final phase (least-squares line), when it is
+          significant against its Monte Carlo error (3 standard errors, batch means of the
+          residuals) and
+          larger than :data:`DRIFT_SE` times the coordinate's standard error (the Louis
+          information; 1% of its value when there is none): an estimate still moving by a
+          tenth of its own uncertainty at the end has not reached the maximum;
+        - **drift at the end of the exploration phase**: the change of the mean between the
+          two halves of its last 40%, significant (3 Monte Carlo standard errors, batch
+          means) and larger than :data:`DRIFT_SE` standard errors (1% of the value without
+          them) -> more ``num_exploration``;
+        - **an E-step that collapsed**: an acceptance rate below :data:`MIN_ACCEPT` over the
+          final phase (not for ULA, which takes every move), or latent draws at the final
+          :math:`\\theta` that change between consecutive draws less than
+          :data:`MIN_ACCEPT` of the time;
+        - **a parameter heading to the boundary of its support** (a variance collapsing to
+          0; :func:`boundary_collapse`).
         """
         msgs = []
         df = self.trajectory
-        K1 = min(self.num_exploration, len(df))
-        cols = self.names
+        K = len(df)
+        n_expl = int(self.num_exploration)
+        K1 = min(n_expl, K)
+        L = K - K1
+        cols = list(self.names)
+        X = df[cols].to_numpy(np.float64) if K else np.zeros((0, len(cols)))
+        kernel = getattr(self, "settings", {}).get("kernel")
+        # -- phases
+        if L < MIN_FINAL_ITERS:
+            msgs.append(
+                f"SAEM: the final (decreasing-step) phase has {L} iteration"
+                f"{'s' if L != 1 else ''} (< {MIN_FINAL_ITERS}): too few to average the Monte "
+                "Carlo noise out of the estimates or to check that they stopped moving; give "
+                f"Schedule(num_iters={max(K1, 300) + 200}, num_exploration={max(K1, 300)}) (the "
+                "default: 300 + 200) or more."
+            )
+        if 0 < n_expl < MIN_EXPLORATION_ITERS:
+            msgs.append(
+                f"SAEM: the exploration phase has {n_expl} iterations (< "
+                f"{MIN_EXPLORATION_ITERS}): the E-step's step sizes are adapted and the "
+                "variances annealed during it; give num_exploration >= 100 (the default "
+                "is 300)."
+            )
+        se_cache: list = []
+
+        def unit(values):
+            """DRIFT_SE standard errors per coordinate (computed once, only when a drift is
+            significant), else 1% of the value where there are none."""
+            if not se_cache:
+                se = self._se_array() if hasattr(self, "_se_array") else None
+                se_cache.append(np.full(len(cols), np.nan) if se is None else se)
+            se = se_cache[0]
+            ok = np.isfinite(se) & (se > 0)
+            return np.where(ok, DRIFT_SE * se, 0.01 * np.abs(values)), np.where(ok, se, np.nan)
+
+        # -- drift at the end of the exploration phase
         if K1 >= 50:
-            seg = df[cols].to_numpy()[int(0.6 * K1):K1]
-            h = len(seg) // 2
-            a, b = seg[:h], seg[h:2 * h]
-            nbm = max(h // 10, 2)
-
-            def se_mean(x):
-                m = len(x) // nbm
-                bm = x[: m * nbm].reshape(nbm, m, -1).mean(1)
-                return bm.std(0, ddof=1) / np.sqrt(nbm)
-
-            diff = b.mean(0) - a.mean(0)
-            se = np.sqrt(se_mean(a) ** 2 + se_mean(b) ** 2)
-            scale = np.abs(b.mean(0))
-            drift = (np.abs(diff) > 3 * se + 1e-12) & (np.abs(diff) > 0.01 * scale + 1e-12)
+            seg = X[int(0.6 * K1):K1]
+            diff, se_mc = _half_drift(seg)
+            drift = (np.abs(diff) > 3 * se_mc + 1e-12) & (diff != 0)
+            if np.any(drift):
+                drift &= np.abs(diff) > unit(seg[len(seg) // 2:].mean(0))[0] + 1e-12
             if np.any(drift):
                 names = [c for c, d in zip(cols, drift, strict=True) if d]
                 msgs.append(
                     f"SAEM: {names} still drift at the end of the exploration phase "
                     f"({K1} iterations); lengthen both phases (e.g. Schedule(num_iters="
-                    f"{2 * K1 + max(len(df) - K1, 200)}, num_exploration={2 * K1})) or give "
+                    f"{2 * K1 + max(K - K1, 200)}, num_exploration={2 * K1})) or give "
                     "initial values closer to the estimates."
                 )
-        final = df["accept_rate"].to_numpy()[K1:] if K1 < len(df) else df["accept_rate"].to_numpy()
-        if final.size and self.settings.get("kernel") != "ula" and np.mean(final) < 0.05:
+        # -- drift in the final phase
+        if L >= MIN_FINAL_ITERS:
+            fin = X[K1:]
+            diff, se_mc = _trend(fin[L // 2:])
+            cand = (np.abs(diff) > 3 * se_mc + 1e-12) & (diff != 0)
+            if np.any(cand):
+                u, se = unit(fin[-(L // 4):].mean(0))
+                drift = cand & (np.abs(diff) > u + 1e-12)
+                if np.any(drift):
+                    desc = ", ".join(
+                        f"{c} by {d:+.3g}" + (f" ({abs(d) / s:.2f} SE)" if np.isfinite(s)
+                                              and s > 0 else "")
+                        for c, d, s, f in zip(cols, diff, se, drift, strict=True) if f)
+                    msgs.append(
+                        f"SAEM: the estimates still drift in the final phase ({L} "
+                        f"iterations at decreasing steps): over its last half {desc}; the "
+                        "maximum is not reached. Lengthen both phases (e.g. Schedule("
+                        f"num_iters={max(2 * K1, 300) + max(2 * L, 200)}, num_exploration="
+                        f"{max(2 * K1, 300)})) or give initial values closer to the "
+                        "estimates."
+                    )
+        # -- the E-step
+        acc = df["accept_rate"].to_numpy() if "accept_rate" in df else np.zeros(0)
+        final = acc[K1:] if K1 < len(acc) else acc
+        if final.size and kernel != "ula" and np.mean(final) < MIN_ACCEPT:
             msgs.append(
                 f"SAEM: the E-step accepted {np.mean(final):.1%} of its moves in the final "
                 "phase; the latent draws barely move (use the default adaptive E-step: "
                 "step_size=None, or a smaller step_size)."
             )
-        if K1 < len(df) - 20:
-            tail = df[cols].to_numpy()[K1:]
-            h = tail[len(tail) // 2:]
-            rng = np.ptp(tail, 0)
-            far = np.abs(tail[-1] - h.mean(0)) > 0.25 * rng + 0.01 * np.abs(h.mean(0)) + 1e-12
-            if np.any(far):
-                names = [c for c, d in zip(cols, far, strict=True) if d]
+        zd = getattr(self, "z_draws", None)
+        if zd is not None and np.ndim(zd) == 3 and zd.shape[0] > 1 and zd.shape[2] > 0:
+            moved = np.any(np.asarray(zd[1:]) != np.asarray(zd[:-1]), axis=-1)  # (T-1, C)
+            frac = float(np.mean(moved))
+            if frac < MIN_ACCEPT:
                 msgs.append(
-                    f"SAEM: {names} still move in the averaging phase; increase the number of "
-                    "iterations after the exploration (Schedule(num_iters=...))."
+                    f"SAEM: the latent draws at the final theta changed in {frac:.1%} of "
+                    f"{moved.size} consecutive draws: the E-step is stuck, so the standard "
+                    "errors and the likelihood's proposals rest on a handful of points "
+                    "(use the default adaptive E-step, or a smaller step size of your kernel)."
+                )
+        # -- boundary
+        info = getattr(self, "info", None)
+        if info is not None and K:
+            th0 = getattr(self, "theta0_c", None)
+            b = boundary_collapse(info, X, th0)
+            if b is not None:
+                msgs.append(
+                    f"SAEM: '{b['name']}' fell to {b['value']:.3g} at iteration "
+                    f"{b['iteration']} (down from {b['reference']:.3g} earlier): it is heading to "
+                    f"{b['bound']:g}, the boundary of its support, and "
+                    + boundary_advice(b) + "; the other estimates of such a fit (and "
+                    "the -2LL) may have been thrown off by it."
                 )
         if warn:
             for m in msgs:

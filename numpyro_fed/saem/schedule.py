@@ -8,7 +8,15 @@ import numpy as np
 
 from numpyro_fed._validation import check_int
 
-__all__ = ["Schedule"]
+__all__ = ["Schedule", "MAX_ITERATIONS"]
+
+#: the most iterations a schedule may ask for (each of ``num_iters``, ``num_exploration``,
+#: ``num_burnin``). The schedule and the trajectory are host arrays of one row per
+#: iteration (the step sizes, the phases, theta): at 10**9 iterations they need tens of GB
+#: and the OS kills the process before anything runs. saemix's defaults are 500 iterations
+#: and published fits use a few thousand; a million SAEM iterations of even a 1 ms E-step
+#: take 17 minutes, with ~100 MB of trajectory per 10 parameters -- more is a typo.
+MAX_ITERATIONS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,25 @@ class Schedule:
     gammas: tuple | None = None
     num_annealing: int | None = None
 
+    def __post_init__(self) -> None:
+        # the sizes are checked at construction, before anything is allocated from them
+        self._check_sizes()
+
+    def _check_sizes(self) -> None:
+        for name in ("num_iters", "num_exploration", "num_burnin", "num_annealing"):
+            v = getattr(self, name)
+            if v is None and name == "num_annealing":
+                continue
+            check_int(f"Schedule.{name}", v, minimum=0)
+            if v > MAX_ITERATIONS:
+                raise ValueError(
+                    f"Schedule.{name}={v}: more than {MAX_ITERATIONS:,} iterations. The "
+                    "schedule and the theta trajectory hold one row per iteration on the host "
+                    f"(at {v:.3g} iterations they do not fit in memory), and saemix's "
+                    "defaults are 500 (Schedule() or Schedule.saemix()); give a number of "
+                    f"iterations <= {MAX_ITERATIONS:,}."
+                )
+
     @property
     def annealing_iters(self) -> int:
         """Iterations (from the first) during which annealing applies."""
@@ -82,11 +109,7 @@ class Schedule:
         )
 
     def validate(self) -> None:
-        for name in ("num_iters", "num_exploration", "num_burnin", "num_annealing"):
-            v = getattr(self, name)
-            if v is None and name == "num_annealing":
-                continue
-            check_int(f"Schedule.{name}", v, minimum=0)
+        self._check_sizes()
         if self.num_iters < 1:
             raise ValueError("Schedule.num_iters must be at least 1.")
         if self.gammas is None and self.num_exploration >= self.num_iters:
