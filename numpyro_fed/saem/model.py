@@ -31,7 +31,8 @@ from numpyro.infer.util import compute_log_probs
 
 from numpyro_fed import _programs
 
-__all__ = ["ModelInfo", "SubjectLayout", "subject_layout", "log_joint_per_subject",
+__all__ = ["ModelInfo", "SubjectLayout", "subject_layout", "group_layout",
+           "log_joint_per_subject",
            "split_data", "merge_data", "block_hessian"]
 
 
@@ -607,6 +608,8 @@ def subject_layout(info: ModelInfo, name: str | None, args, kwargs, key,
     """
     plate, n = _latent_plate(info, name)
     if plate is None:
+        if name is None:
+            return group_layout(info, args, kwargs, key, max_block=max_block)
         return None, "no plate holds every latent site"
     for nm in info.latent_names:
         if info.z_shapes[nm] != info.z_u_shapes[nm]:
@@ -661,6 +664,116 @@ def subject_layout(info: ModelInfo, name: str | None, args, kwargs, key,
             return None, err
         site_ids.update({k: np.asarray(v) for k, v in ids.items()})
     return lay._replace(site_ids=tuple(sorted(site_ids.items()))), ""
+
+
+#: most latent coordinates for which :func:`group_layout` computes the dependency structure
+#: (one directional derivative of the model's log-density per coordinate)
+MAX_GROUP_ANALYSIS_DIM = 4096
+
+
+def _union_find_groups(dz: int, pairs: np.ndarray) -> np.ndarray:
+    """Connected components of ``dz`` nodes joined by the edges ``pairs`` ``(m, 2)``:
+    a component label per node, numbered in the order of each component's first node."""
+    parent = np.arange(dz)
+
+    def find(a):
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    for a, b in pairs:
+        ra, rb = find(int(a)), find(int(b))
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    roots = np.array([find(i) for i in range(dz)])
+    _, labels = np.unique(roots, return_inverse=True)
+    return labels.astype(np.int64)
+
+
+def group_layout(info: ModelInfo, args, kwargs, key,
+                 max_block: int = 64) -> tuple[SubjectLayout | None, str]:
+    """The layout of a model whose latents lie in several plates (crossed or nested grouping
+    factors): the *groups* are the connected components of the bipartite graph joining each
+    latent coordinate to the log-density elements (of every sample site, latent or observed)
+    that depend on it, found from the sparsity of the derivatives at two random points.
+
+    Nested factors (batches with the casks of each batch; subjects with their occasions)
+    give one group per top-level unit, holding its own latent and those of the units nested
+    in it; crossed factors couple everything into one group (returned as ``(None, reason)``:
+    the joint layout is that group). :math:`p(y, z\mid\theta) = \prod_g p(y_g, z_g\mid
+    \theta)` holds over the groups by construction, which is all the E-step, the M-step's
+    centring and the likelihood need of a "subject". Groups of unequal sizes (a different
+    number of latents per group) are not supported: ``(None, reason)``.
+    """
+    for nm in info.latent_names:
+        if info.z_shapes[nm] != info.z_u_shapes[nm]:
+            return None, f"latent site '{nm}' changes shape in unconstrained space"
+    dz = info.dim_z
+    if dz > MAX_GROUP_ANALYSIS_DIM:
+        return None, (f"no plate holds every latent site, and {dz} latent coordinates are "
+                      f"too many to find the groups (at most {MAX_GROUP_ANALYSIS_DIM})")
+    names = tuple(info.latent_names + info.observed_names)
+    arrays, static = split_data(args, kwargs)
+
+    @jit_once
+    def deps(arrays, key, theta_c, z0):
+        a, kw = merge_data(arrays, static)
+
+        def lp_all(zf):
+            lps = _elementwise_lps(info, theta_c, zf, a, kw)
+            return {nm: jnp.reshape(lps[nm], (-1,)) for nm in names}
+
+        def dep(zf):
+            eye = jnp.eye(dz, dtype=zf.dtype)
+            return jax.lax.map(lambda v: jax.jvp(lp_all, (zf,), (v,))[1], eye,
+                               batch_size=max_block)
+
+        k1, k2 = random.split(key)
+        za = z0 + 0.3 * random.normal(k1, z0.shape, z0.dtype)
+        zb = z0 + 1.0 * random.normal(k2, z0.shape, z0.dtype)
+        d1, d2 = dep(za), dep(zb)
+        return {nm: (d1[nm] != 0) | (d2[nm] != 0) for nm in names}  # (dz, size)
+
+    nz = {nm: np.asarray(v) for nm, v in
+          deps(arrays, key, info.theta0_c, info.z0_u_flat).items()}
+    edges = []
+    for nm in names:
+        m = nz[nm]
+        for col in np.nonzero(m.any(0))[0]:
+            rows = np.nonzero(m[:, col])[0]
+            if len(rows) > 1:
+                edges.append(np.stack([np.repeat(rows[0], len(rows) - 1), rows[1:]], 1))
+    pairs = np.concatenate(edges) if edges else np.zeros((0, 2), np.int64)
+    labels = _union_find_groups(dz, pairs)
+    n = int(labels.max()) + 1
+    if n == 1:
+        return None, ("no plate holds every latent site, and the latents form one connected "
+                      "group (crossed grouping factors): one block")
+    counts = np.bincount(labels, minlength=n)
+    if np.any(counts != counts[0]):
+        return None, ("no plate holds every latent site, and the connected groups of latents "
+                      f"have unequal sizes ({int(counts.min())} to {int(counts.max())} "
+                      "coordinates)")
+    q = int(counts[0])
+    zidx = np.stack([np.nonzero(labels == g)[0] for g in range(n)])
+    site_ids = {}
+    for nm in names:
+        m = nz[nm]
+        shape = np.shape(jax.eval_shape(
+            lambda z: _elementwise_lps(info, info.theta0_c, z, args, kwargs)[nm],
+            info.z0_u_flat))
+        anyd = m.any(0)
+        first = np.argmax(m, 0)
+        site_ids[nm] = np.where(anyd, labels[first], -1).astype(np.int32).reshape(shape)
+    # the plates of the latents of the first group, outermost first, name the grouping
+    plates = []
+    for nm in info.latent_names:
+        for f in info.trace0[nm]["cond_indep_stack"]:
+            if f.name not in plates:
+                plates.append(f.name)
+    label = "groups(" + "/".join(plates) + ")"
+    return SubjectLayout(label, n, q, zidx, tuple(sorted(site_ids.items())), names), ""
 
 
 def _elementwise_logdet(t, u, c):
