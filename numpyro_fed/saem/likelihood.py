@@ -189,9 +189,10 @@ def gaussian_exact(info, layout, ids, theta_c, z_init, args, kwargs, key,
     \\ell_i(\\hat z_i) + \\tfrac q2\\log 2\\pi - \\tfrac12\\log|H_i|`.
 
     Whether the integrand is quadratic is checked, not assumed: at ``num_checks`` points
-    :math:`\\hat z_i + 1.5\\,L_i\\varepsilon` (:math:`L_iL_i^\\top = H_i^{-1}`,
+    :math:`\\hat z_i + 3L_i\\varepsilon` (:math:`L_iL_i^\\top = H_i^{-1}`,
     :math:`\\varepsilon` standard normal) the integrand must equal its quadratic expansion
-    :math:`\\ell_i(\\hat z_i) - \\tfrac{1.5^2}2|\\varepsilon|^2`.
+    :math:`\\ell_i(\\hat z_i) - \\tfrac92|\\varepsilon|^2` (three conditional standard
+    deviations out, where a cubic or quartic term of a non-Gaussian integrand shows).
 
     :return: ``(ll_i (n,), rest, discrepancy (n,))`` -- the largest absolute difference
         between the integrand and its quadratic expansion over the check points, per subject
@@ -209,7 +210,7 @@ def gaussian_exact(info, layout, ids, theta_c, z_init, args, kwargs, key,
     L = jnp.linalg.cholesky((Hinv + jnp.swapaxes(Hinv, -1, -2)) / 2.0)
     f = _per_subject_fn(info, lay, ids, theta_c, args, kwargs)
     zb = to_blocks(z, lay.zidx)
-    eps = 1.5 * random.normal(key, (num_checks,) + zb.shape, dt)
+    eps = 3.0 * random.normal(key, (num_checks,) + zb.shape, dt)
 
     def at(e):
         b = zb + jnp.einsum("nij,nj->ni", L, e)

@@ -693,7 +693,7 @@ def _union_find_groups(dz: int, pairs: np.ndarray) -> np.ndarray:
 
 def group_layout(info: ModelInfo, args, kwargs, key,
                  max_block: int = 64) -> tuple[SubjectLayout | None, str]:
-    """The layout of a model whose latents lie in several plates (crossed or nested grouping
+    r"""The layout of a model whose latents lie in several plates (crossed or nested grouping
     factors): the *groups* are the connected components of the bipartite graph joining each
     latent coordinate to the log-density elements (of every sample site, latent or observed)
     that depend on it, found from the sparsity of the derivatives at two random points.
@@ -757,12 +757,12 @@ def group_layout(info: ModelInfo, args, kwargs, key,
                       "coordinates)")
     q = int(counts[0])
     zidx = np.stack([np.nonzero(labels == g)[0] for g in range(n)])
+    shapes = jax.eval_shape(lambda z: _elementwise_lps(info, info.theta0_c, z, args, kwargs),
+                            info.z0_u_flat)
     site_ids = {}
     for nm in names:
         m = nz[nm]
-        shape = np.shape(jax.eval_shape(
-            lambda z: _elementwise_lps(info, info.theta0_c, z, args, kwargs)[nm],
-            info.z0_u_flat))
+        shape = np.shape(shapes[nm])
         anyd = m.any(0)
         first = np.argmax(m, 0)
         site_ids[nm] = np.where(anyd, labels[first], -1).astype(np.int32).reshape(shape)
