@@ -36,6 +36,8 @@ from numpyro_fed.saem.model import (
     from_blocks,
     joint_layout,
     log_joint_per_subject,
+    pad_log_density,
+    pad_mask,
     to_blocks,
 )
 
@@ -103,6 +105,11 @@ def importance_sampling(info: ModelInfo, layout: SubjectLayout | None, ids, thet
     mu, cov = conditional_moments(lay, zs)
     dt = mu.dtype
     eye = jnp.eye(q, dtype=dt)
+    pad = pad_mask(lay.zidx)
+    if pad.any():
+        # padded entries (unequal groups): their exact standard normal law as the proposal
+        real = jnp.asarray(~pad, dt)
+        cov = cov * real[:, :, None] * real[:, None, :] + jnp.asarray(pad, dt)[..., None] * eye
     scale = jnp.mean(jnp.diagonal(cov, axis1=-2, axis2=-1), -1)[:, None, None]
     cov = inflate * cov + 1e-8 * scale * eye + 1e-12 * eye
     L = jnp.linalg.cholesky(cov)
@@ -116,6 +123,7 @@ def importance_sampling(info: ModelInfo, layout: SubjectLayout | None, ids, thet
         b = mu + jnp.einsum("nij,snj->sni", L, xw)
         lq = _mvt_logpdf(xw, logdet_L, df, q)  # (S, n)
         lp, rest = jax.vmap(lambda bb: f(from_blocks(bb, lay.zidx)))(b)
+        lp = lp + pad_log_density(b, lay.zidx)
         return lp - lq, rest[0]
 
     lw, rest = lax.map(one_batch, random.split(key, nb))
@@ -165,6 +173,8 @@ def conditional_modes(info: ModelInfo, layout: SubjectLayout | None, ids, theta_
     z, _ = lax.scan(newton, z_init, None, length=num_iters)
     H = block_hessian(grad, z, lay) + 0.0 * eye
     val, rest = f(z)
+    # padded entries (unequal groups) sit at their mode 0
+    val = val + pad_log_density(jnp.zeros((lay.n, q), z.dtype), lay.zidx)
     return z, H, val, rest
 
 
@@ -214,7 +224,8 @@ def gaussian_exact(info, layout, ids, theta_c, z_init, args, kwargs, key,
 
     def at(e):
         b = zb + jnp.einsum("nij,nj->ni", L, e)
-        return f(from_blocks(b, lay.zidx))[0] - (val - 0.5 * jnp.sum(e**2, -1))
+        return (f(from_blocks(b, lay.zidx))[0] + pad_log_density(b, lay.zidx)
+                - (val - 0.5 * jnp.sum(e**2, -1)))
 
     disc = jnp.max(jnp.abs(lax.map(at, eps)), 0)
     disc = jnp.where(jnp.isfinite(disc), disc, jnp.inf)
@@ -252,7 +263,7 @@ def gauss_hermite(info, layout, ids, theta_c, z_init, args, kwargs, num_nodes: i
 
     def at_node(xk):
         b = zb + jnp.sqrt(2.0) * jnp.einsum("nij,j->ni", L, xk)
-        return f(from_blocks(b, lay.zidx))[0]
+        return f(from_blocks(b, lay.zidx))[0] + pad_log_density(b, lay.zidx)
 
     vals = lax.map(at_node, Xj)  # (K, n)
     terms = vals + jnp.asarray(logW, dt)[:, None]

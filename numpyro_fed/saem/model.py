@@ -33,7 +33,7 @@ from numpyro_fed import _programs
 
 __all__ = ["ModelInfo", "SubjectLayout", "subject_layout", "group_layout",
            "log_joint_per_subject",
-           "split_data", "merge_data", "block_hessian"]
+           "split_data", "merge_data", "block_hessian", "pad_mask", "pad_log_density"]
 
 
 # ------------------------------------------------------------------------------ data
@@ -543,8 +543,9 @@ class SubjectLayout(NamedTuple):
     - **plate** -- the plate holding every latent site (``None`` when there is none: one
       block, the whole model).
     - **n** -- number of subjects (blocks).
-    - **q** -- latent coordinates per subject (unconstrained).
-    - **zidx** -- ``(n, q)`` flat indices of each subject's coordinates in :math:`z`.
+    - **q** -- latent coordinates per subject (unconstrained; the largest group's).
+    - **zidx** -- ``(n, q)`` flat indices of each subject's coordinates in :math:`z` (``-1``:
+      a padded entry of a smaller group, see :func:`pad_mask`).
     - **site_ids** -- for every sample site, the subject of each element of its elementwise
       log-density (``-1``: an element that depends on no latent, e.g. a row of data with
       no random effect); a tuple of ``(name, array)``.
@@ -666,6 +667,9 @@ def subject_layout(info: ModelInfo, name: str | None, args, kwargs, key,
     return lay._replace(site_ids=tuple(sorted(site_ids.items()))), ""
 
 
+#: largest ratio of the biggest to the smallest connected group that :func:`group_layout`
+#: pads (the padding costs work in proportion)
+MAX_PADDING = 4
 #: most latent coordinates for which :func:`group_layout` computes the dependency structure
 #: (one directional derivative of the model's log-density per coordinate)
 MAX_GROUP_ANALYSIS_DIM = 4096
@@ -704,7 +708,9 @@ def group_layout(info: ModelInfo, args, kwargs, key,
     the joint layout is that group). :math:`p(y, z\mid\theta) = \prod_g p(y_g, z_g\mid
     \theta)` holds over the groups by construction, which is all the E-step, the M-step's
     centring and the likelihood need of a "subject". Groups of unequal sizes (a different
-    number of latents per group) are not supported: ``(None, reason)``.
+    number of latents per group: herds with different numbers of observation-level effects)
+    are padded to the largest (:func:`pad_mask`), up to :data:`MAX_PADDING` times the
+    smallest.
     """
     for nm in info.latent_names:
         if info.z_shapes[nm] != info.z_u_shapes[nm]:
@@ -751,12 +757,15 @@ def group_layout(info: ModelInfo, args, kwargs, key,
         return None, ("no plate holds every latent site, and the latents form one connected "
                       "group (crossed grouping factors): one block")
     counts = np.bincount(labels, minlength=n)
-    if np.any(counts != counts[0]):
+    q = int(counts.max())
+    if q > max(1, MAX_PADDING * int(counts.min())):
         return None, ("no plate holds every latent site, and the connected groups of latents "
-                      f"have unequal sizes ({int(counts.min())} to {int(counts.max())} "
-                      "coordinates)")
-    q = int(counts[0])
-    zidx = np.stack([np.nonzero(labels == g)[0] for g in range(n)])
+                      f"have very unequal sizes ({int(counts.min())} to {q} coordinates)")
+    # groups of unequal sizes are padded to the largest (-1: see pad_mask)
+    zidx = np.full((n, q), -1, np.int64)
+    for g in range(n):
+        c = np.nonzero(labels == g)[0]
+        zidx[g, :len(c)] = c
     shapes = jax.eval_shape(lambda z: _elementwise_lps(info, info.theta0_c, z, args, kwargs),
                             info.z0_u_flat)
     site_ids = {}
@@ -910,9 +919,29 @@ def log_joint_per_subject(info: ModelInfo, layout: SubjectLayout, theta_c, z_u_f
             for nm in info.latent_names
         ]).astype(dt)
         zid = np.empty(info.dim_z, np.int32)
-        zid[layout.zidx.reshape(-1)] = np.repeat(np.arange(n), layout.q)
+        zx = np.asarray(layout.zidx)
+        valid = zx >= 0  # padded entries of unequal groups (-1) hold no coordinate
+        zid[zx[valid]] = np.broadcast_to(np.arange(n)[:, None], zx.shape)[valid]
         out = out + jax.ops.segment_sum(lj, jnp.asarray(zid), num_segments=n + 1)
     return out[:n], out[n]
+
+
+def pad_mask(zidx) -> np.ndarray:
+    """``(n, q)`` bool: the padded entries of a layout whose groups have unequal sizes
+    (``zidx == -1``). A padded entry is a pseudo-coordinate with a standard normal density,
+    independent of everything (it integrates to 1): the E-step draws it afresh and the
+    likelihood integrates it out exactly, so equal-size blocks serve unequal groups."""
+    return np.asarray(zidx) < 0
+
+
+def pad_log_density(xb, zidx):
+    """The standard normal log-density of the padded entries of blocks ``xb``
+    ``(..., n, q)``, per subject ``(..., n)`` (0 without padding)."""
+    mask = pad_mask(zidx)
+    if not mask.any():
+        return jnp.zeros(xb.shape[:-1], xb.dtype)
+    m = jnp.asarray(mask, xb.dtype)
+    return jnp.sum(m * (-0.5 * xb**2 - 0.5 * np.log(2.0 * np.pi)), -1)
 
 
 def _block_kind(zidx) -> str:
@@ -939,6 +968,9 @@ def to_blocks(x, zidx):
         return x.reshape(x.shape[:-1] + (n, q))
     if kind == "cols":
         return jnp.swapaxes(x.reshape(x.shape[:-1] + (q, n)), -1, -2)
+    if pad_mask(zidx).any():
+        return jnp.where(jnp.asarray(zidx < 0), jnp.zeros((), x.dtype),
+                         x[..., np.maximum(zidx, 0)])
     return x[..., zidx]
 
 
@@ -952,15 +984,17 @@ def from_blocks(xb, zidx):
         return xb.reshape(lead + (n * q,))
     if kind == "cols":
         return jnp.swapaxes(xb, -1, -2).reshape(lead + (n * q,))
-    inv = np.empty(n * q, np.int64)
-    inv[zidx.reshape(-1)] = np.arange(n * q)
+    valid = zidx.reshape(-1) >= 0
+    inv = np.empty(int(valid.sum()), np.int64)
+    inv[zidx.reshape(-1)[valid]] = np.nonzero(valid)[0]
     return xb.reshape(lead + (n * q,))[..., inv]
 
 
 def block_hessian(grad_fn, z, lay):
     """Per-subject Hessian blocks ``(n, q, q)`` of a function whose Hessian is block
     diagonal over subjects: ``q`` Hessian-vector products, one per coordinate of every
-    subject at once."""
+    subject at once. Padded entries (:func:`pad_mask`) get the curvature 1 of their standard
+    normal pseudo-density (``grad_fn`` is the gradient of a negative log-density)."""
     n, q = np.shape(lay.zidx)
 
     def col(e_k):
@@ -970,7 +1004,11 @@ def block_hessian(grad_fn, z, lay):
 
     cols = jax.vmap(col)(jnp.eye(q, dtype=z.dtype))  # (q, n, q)
     H = jnp.transpose(cols, (1, 2, 0))
-    return (H + jnp.swapaxes(H, -1, -2)) / 2.0
+    H = (H + jnp.swapaxes(H, -1, -2)) / 2.0
+    mask = pad_mask(lay.zidx)
+    if mask.any():
+        H = H + jnp.asarray(mask, H.dtype)[..., None] * jnp.eye(q, dtype=H.dtype)
+    return H
 
 
 def centring_design(info: ModelInfo, layout: SubjectLayout, theta_u, z_u_flat, args, kwargs,
