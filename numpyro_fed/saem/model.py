@@ -673,6 +673,8 @@ MAX_PADDING = 4
 #: most latent coordinates for which :func:`group_layout` computes the dependency structure
 #: (one directional derivative of the model's log-density per coordinate)
 MAX_GROUP_ANALYSIS_DIM = 4096
+#: most (latent coordinate, log-density element) pairs of that analysis (its memory)
+MAX_GROUP_ANALYSIS_SIZE = 2e7
 
 
 def _union_find_groups(dz: int, pairs: np.ndarray) -> np.ndarray:
@@ -721,6 +723,13 @@ def group_layout(info: ModelInfo, args, kwargs, key,
                       f"too many to find the groups (at most {MAX_GROUP_ANALYSIS_DIM})")
     names = tuple(info.latent_names + info.observed_names)
     arrays, static = split_data(args, kwargs)
+    shapes = jax.eval_shape(lambda z: _elementwise_lps(info, info.theta0_c, z, args, kwargs),
+                            info.z0_u_flat)
+    n_el = sum(int(np.prod(np.shape(shapes[nm]))) for nm in names)
+    if dz * n_el > MAX_GROUP_ANALYSIS_SIZE:
+        return None, (f"no plate holds every latent site, and {dz} latent coordinates x "
+                      f"{n_el} log-density elements are too many to find the groups (at most "
+                      f"{MAX_GROUP_ANALYSIS_SIZE:.0e})")
 
     @jit_once
     def deps(arrays, key, theta_c, z0):
@@ -766,8 +775,6 @@ def group_layout(info: ModelInfo, args, kwargs, key,
     for g in range(n):
         c = np.nonzero(labels == g)[0]
         zidx[g, :len(c)] = c
-    shapes = jax.eval_shape(lambda z: _elementwise_lps(info, info.theta0_c, z, args, kwargs),
-                            info.z0_u_flat)
     site_ids = {}
     for nm in names:
         m = nz[nm]
