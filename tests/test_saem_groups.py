@@ -242,10 +242,12 @@ def test_exact_m2ll_refuses_a_non_gaussian_model_and_auto_falls_back():
 
 @pytest.mark.slow
 def test_pastes_importance_sampling_se_is_honest_over_20_seeds():
-    """At the fitted theta, the IS -2LL over the connected groups (500 draws: a cheap
-    setting, SE ~0.1) lies within 2 reported SE of the exact value for >= 90% of 20 seeds
-    (a binomial(20, 0.95) count falls below 18 with probability 7.5%; an estimator whose SE
-    is understated by half passes with probability < 1%)."""
+    """At the fitted theta, the IS -2LL over the connected groups (the default 5000 draws;
+    ~0.1 s each once compiled) lies within 2 reported SE of the exact value for >= 90% of 20
+    seeds (a binomial(20, 0.95) count falls below 18 with probability 7.5%). Measured on fits
+    of seeds 0 and 1: 19/20 both, err/SE mean 0.11 and 0.03, sd 0.88 and 0.98 (with 500
+    draws: 18/20, sd 1.16-1.19 -- the delta-method SE understates the error by ~15% there).
+    Before the group layout (one joint block): error 9.8 with a reported SE of 0.89."""
     case = sc.get_case("pastes")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
@@ -253,7 +255,8 @@ def test_pastes_importance_sampling_se_is_honest_over_20_seeds():
         exact = -2 * sc.exact_loglik(case, res.params)
         errs = []
         for s in range(20):
-            ll = res.log_likelihood(jax.random.key(100 + s), method="is", num_samples=500)
+            ll = res.log_likelihood(jax.random.key(100 + s), method="is")
             errs.append((ll["m2ll"] - exact) / ll["m2ll_se"])
     errs = np.asarray(errs)
     assert np.mean(np.abs(errs) <= 2.0) >= 0.9, errs
+    assert abs(np.mean(errs)) < 1.0 and 0.6 < np.std(errs) < 1.5, errs
