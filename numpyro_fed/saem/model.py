@@ -670,6 +670,11 @@ def subject_layout(info: ModelInfo, name: str | None, args, kwargs, key,
 #: largest ratio of the biggest to the smallest connected group that :func:`group_layout`
 #: pads (the padding costs work in proportion)
 MAX_PADDING = 4
+#: largest single connected group (crossed factors) laid out as one "subject" -- with the
+#: subjects' defaults: the centring shift of the fixed effects (:func:`centring_design`;
+#: without it the intercept and the crossed effects trade off and the intercept converges at
+#: EM's slow rate), 50 chains; a larger one is the joint block
+MAX_ONE_GROUP_DIM = 512
 #: most latent coordinates for which :func:`group_layout` computes the dependency structure
 #: (one directional derivative of the model's log-density per coordinate)
 MAX_GROUP_ANALYSIS_DIM = 4096
@@ -762,7 +767,7 @@ def group_layout(info: ModelInfo, args, kwargs, key,
     pairs = np.concatenate(edges) if edges else np.zeros((0, 2), np.int64)
     labels = _union_find_groups(dz, pairs)
     n = int(labels.max()) + 1
-    if n == 1:
+    if n == 1 and dz > MAX_ONE_GROUP_DIM:
         return None, ("no plate holds every latent site, and the latents form one connected "
                       "group (crossed grouping factors): one block")
     counts = np.bincount(labels, minlength=n)
@@ -1065,9 +1070,19 @@ def centring_design(info: ModelInfo, layout: SubjectLayout, theta_u, z_u_flat, a
     gt, gz = jax.vmap(grads)(thetas, zs)  # (P, n, d), (P, n, q)
     G = jnp.moveaxis(gz, 0, 1)  # (n, P, q)
     R = jnp.moveaxis(gt, 0, 1)  # (n, P, d)
-    Gs = G / (jnp.linalg.norm(G, axis=1, keepdims=True) + 1e-30)
+    scale = jnp.linalg.norm(G, axis=1) + 1e-30  # (n, q)
+    if layout.n == 1 and layout.q > 1 and str(layout.plate).startswith("groups("):
+        # one connected group (crossed factors): the shift is not unique (the intercept
+        # moves every level of either factor). Put it on the factor with the fewest levels
+        # -- the one that leaves the intercept least determined (minimum norm weighted by
+        # the number of levels squared), as a centred parametrisation would
+        sizes = np.concatenate([np.full(int(np.prod(info.z_u_shapes[nm])),
+                                        float(np.prod(info.z_u_shapes[nm])))
+                                for nm in info.latent_names])
+        scale = scale * jnp.asarray(sizes[np.asarray(layout.zidx)] ** 2, dt)
+    Gs = G / scale[:, None, :]
     m = jax.vmap(lambda a, b: jnp.linalg.lstsq(a, b)[0])(Gs, R)  # (n, q, d) scaled
-    m = m / (jnp.linalg.norm(G, axis=1)[:, :, None] + 1e-30)
+    m = m / scale[:, :, None]
     fit = jnp.einsum("npq,nqd->npd", G, m)
     # the residual is judged against the size of what is explained (R), plus rounding in
     # G m: not against |G||m|, which a spurious, large m would inflate until any fit passed.
