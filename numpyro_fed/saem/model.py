@@ -609,7 +609,10 @@ def subject_layout(info: ModelInfo, name: str | None, args, kwargs, key,
     """
     plate, n = _latent_plate(info, name)
     if plate is None:
-        if name is None:
+        # latents in several plates (grouping factors): their connected groups; a latent in
+        # no plate at all leaves the model as one joint block, as before
+        if name is None and all(info.trace0[nm]["cond_indep_stack"]
+                                for nm in info.latent_names):
             return group_layout(info, args, kwargs, key, max_block=max_block)
         return None, "no plate holds every latent site"
     for nm in info.latent_names:
