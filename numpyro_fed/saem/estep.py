@@ -45,6 +45,7 @@ from numpyro_fed.saem.model import (
     block_hessian,
     from_blocks,
     log_joint_per_subject,
+    pad_mask,
     to_blocks,
 )
 
@@ -123,6 +124,8 @@ class LangevinEStep:
         self.gain = float(adapt_gain)
         self.full = self.adaptive and layout.q <= FULL_PRECONDITIONER_MAX
         self.zidx = np.asarray(layout.zidx)
+        #: padded entries of unequal groups (standard normal pseudo-coordinates)
+        self.pad = pad_mask(self.zidx)
 
     # -- helpers ---------------------------------------------------------------------------
     def to_blocks(self, z):  # (..., d_z) -> (..., n, q)
@@ -207,6 +210,8 @@ class LangevinEStep:
 
         d = jnp.mean(jax.vmap(lambda vv: jax.vmap(hd)(pts, vv))(v), (0, 1))  # (d_z,)
         d = self.to_blocks(jnp.abs(d))
+        if self.pad.any():
+            d = jnp.where(jnp.asarray(self.pad), 1.0, d)
         d = jnp.maximum(d, 1e-6 * jnp.max(d) + 1e-30)
         return jnp.where(jnp.isfinite(d), 1.0 / d, 1.0).astype(dt)
 
@@ -265,6 +270,19 @@ class LangevinEStep:
         if self.n_prior:
             z = self._prior_mh(k_prior, z, theta_c, data, ids)
         zb = self.to_blocks(z)
+        pad = self.pad.any()
+        if pad:
+            # the padded pseudo-coordinates are independent standard normals: an exact
+            # draw (a Gibbs step) keeps the moves below invariant for the real ones
+            m = jnp.asarray(self.pad, dt)
+            zb = zb + m * random.normal(random.fold_in(k_prior, 5), zb.shape, dt)
+            vg_flat = vg
+
+            def vg(zf, yb=None):  # noqa: F811 -- the block version with the padding
+                u_, g_ = vg_flat(zf)
+                return u_ + 0.5 * jnp.sum(m * yb**2, -1), g_, m * yb
+        else:
+            m = None
         if self.adaptive:
             log_h = jnp.where(adapt, state.log_step, state.log_step_avg)
             L = state.chol
@@ -272,8 +290,12 @@ class LangevinEStep:
             log_h = state.log_step
             p = jnp.ones(info.dim_z, dt) if self.P is None else self.P(theta_u).astype(dt)
             L = self.to_blocks(jnp.sqrt(p))
-        u, g = vg(z)
-        gb = self.to_blocks(g)
+        if pad:
+            u, g, gp = vg(self.from_blocks(zb), zb)
+            gb = self.to_blocks(g) + gp
+        else:
+            u, g = vg(z)
+            gb = self.to_blocks(g)
         pre = block_preconditioner(L, self.full)
 
         def body(i, carry):
@@ -282,8 +304,12 @@ class LangevinEStep:
             h = jnp.exp(log_h)[None, :, None]
             xi = langevin_noise(kn, zb)
             yb = langevin_proposal(zb, gb, h, xi, pre)
-            uy, gy = vg(self.from_blocks(yb))
-            gyb = self.to_blocks(gy)
+            if pad:
+                uy, gy, gpy = vg(self.from_blocks(yb), yb)
+                gyb = self.to_blocks(gy) + gpy
+            else:
+                uy, gy = vg(self.from_blocks(yb))
+                gyb = self.to_blocks(gy)
             # whitened residuals (see mala_log_ratio): r_fwd = sqrt(2h) xi exactly
             fwd = jnp.sqrt(2.0 * h) * xi
             bwd = -fwd + h * pre.mul_Lt(gb + gyb)

@@ -32,9 +32,9 @@ from numpyro.infer.util import compute_log_probs
 
 from numpyro_fed import _programs
 
-__all__ = ["ModelInfo", "StaticData", "SubjectLayout", "subject_layout",
+__all__ = ["ModelInfo", "StaticData", "SubjectLayout", "subject_layout", "group_layout",
            "log_joint_per_subject", "split_data", "merge_data", "static_as_numpy",
-           "find_static_data", "block_hessian"]
+           "find_static_data", "block_hessian", "pad_mask", "pad_log_density"]
 
 
 # ------------------------------------------------------------------------------ data
@@ -771,8 +771,9 @@ class SubjectLayout(NamedTuple):
     - **plate** -- the plate holding every latent site (``None`` when there is none: one
       block, the whole model).
     - **n** -- number of subjects (blocks).
-    - **q** -- latent coordinates per subject (unconstrained).
-    - **zidx** -- ``(n, q)`` flat indices of each subject's coordinates in :math:`z`.
+    - **q** -- latent coordinates per subject (unconstrained; the largest group's).
+    - **zidx** -- ``(n, q)`` flat indices of each subject's coordinates in :math:`z` (``-1``:
+      a padded entry of a smaller group, see :func:`pad_mask`).
     - **site_ids** -- for every sample site, the subject of each element of its elementwise
       log-density (``-1``: an element that depends on no latent, e.g. a row of data with
       no random effect); a tuple of ``(name, array)``.
@@ -836,6 +837,11 @@ def subject_layout(info: ModelInfo, name: str | None, args, kwargs, key,
     """
     plate, n = _latent_plate(info, name)
     if plate is None:
+        # latents in several plates (grouping factors): their connected groups; a latent in
+        # no plate at all leaves the model as one joint block, as before
+        if name is None and all(info.trace0[nm]["cond_indep_stack"]
+                                for nm in info.latent_names):
+            return group_layout(info, args, kwargs, key, max_block=max_block)
         return None, "no plate holds every latent site"
     for nm in info.latent_names:
         if info.z_shapes[nm] != info.z_u_shapes[nm]:
@@ -890,6 +896,136 @@ def subject_layout(info: ModelInfo, name: str | None, args, kwargs, key,
             return None, err
         site_ids.update({k: np.asarray(v) for k, v in ids.items()})
     return lay._replace(site_ids=tuple(sorted(site_ids.items()))), ""
+
+
+#: largest ratio of the biggest to the smallest connected group that :func:`group_layout`
+#: pads (the padding costs work in proportion)
+MAX_PADDING = 4
+#: largest single connected group (crossed factors) laid out as one "subject" -- with the
+#: subjects' defaults: the centring shift of the fixed effects (:func:`centring_design`;
+#: without it the intercept and the crossed effects trade off and the intercept converges at
+#: EM's slow rate), 50 chains; a larger one is the joint block
+MAX_ONE_GROUP_DIM = 512
+#: most latent coordinates for which :func:`group_layout` computes the dependency structure
+#: (one directional derivative of the model's log-density per coordinate)
+MAX_GROUP_ANALYSIS_DIM = 4096
+#: most (latent coordinate, log-density element) pairs of that analysis (its memory)
+MAX_GROUP_ANALYSIS_SIZE = 2e7
+
+
+def _union_find_groups(dz: int, pairs: np.ndarray) -> np.ndarray:
+    """Connected components of ``dz`` nodes joined by the edges ``pairs`` ``(m, 2)``:
+    a component label per node, numbered in the order of each component's first node."""
+    parent = np.arange(dz)
+
+    def find(a):
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    for a, b in pairs:
+        ra, rb = find(int(a)), find(int(b))
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    roots = np.array([find(i) for i in range(dz)])
+    _, labels = np.unique(roots, return_inverse=True)
+    return labels.astype(np.int64)
+
+
+def group_layout(info: ModelInfo, args, kwargs, key,
+                 max_block: int = 64) -> tuple[SubjectLayout | None, str]:
+    r"""The layout of a model whose latents lie in several plates (crossed or nested grouping
+    factors): the *groups* are the connected components of the bipartite graph joining each
+    latent coordinate to the log-density elements (of every sample site, latent or observed)
+    that depend on it, found from the sparsity of the derivatives at two random points.
+
+    Nested factors (batches with the casks of each batch; subjects with their occasions)
+    give one group per top-level unit, holding its own latent and those of the units nested
+    in it; crossed factors couple everything into one group (returned as ``(None, reason)``:
+    the joint layout is that group). :math:`p(y, z\mid\theta) = \prod_g p(y_g, z_g\mid
+    \theta)` holds over the groups by construction, which is all the E-step, the M-step's
+    centring and the likelihood need of a "subject". Groups of unequal sizes (a different
+    number of latents per group: herds with different numbers of observation-level effects)
+    are padded to the largest (:func:`pad_mask`), up to :data:`MAX_PADDING` times the
+    smallest.
+    """
+    for nm in info.latent_names:
+        if info.z_shapes[nm] != info.z_u_shapes[nm]:
+            return None, f"latent site '{nm}' changes shape in unconstrained space"
+    dz = info.dim_z
+    if dz > MAX_GROUP_ANALYSIS_DIM:
+        return None, (f"no plate holds every latent site, and {dz} latent coordinates are "
+                      f"too many to find the groups (at most {MAX_GROUP_ANALYSIS_DIM})")
+    names = tuple(info.latent_names + info.observed_names)
+    arrays, static = split_data(args, kwargs, info.static_data)
+    shapes = jax.eval_shape(lambda z: _elementwise_lps(info, info.theta0_c, z, args, kwargs),
+                            info.z0_u_flat)
+    n_el = sum(int(np.prod(np.shape(shapes[nm]))) for nm in names)
+    if dz * n_el > MAX_GROUP_ANALYSIS_SIZE:
+        return None, (f"no plate holds every latent site, and {dz} latent coordinates x "
+                      f"{n_el} log-density elements are too many to find the groups (at most "
+                      f"{MAX_GROUP_ANALYSIS_SIZE:.0e})")
+
+    @jit_once
+    def deps(arrays, key, theta_c, z0):
+        a, kw = merge_data(arrays, static)
+
+        def lp_all(zf):
+            lps = _elementwise_lps(info, theta_c, zf, a, kw)
+            return {nm: jnp.reshape(lps[nm], (-1,)) for nm in names}
+
+        def dep(zf):
+            eye = jnp.eye(dz, dtype=zf.dtype)
+            return jax.lax.map(lambda v: jax.jvp(lp_all, (zf,), (v,))[1], eye,
+                               batch_size=max_block)
+
+        k1, k2 = random.split(key)
+        za = z0 + 0.3 * random.normal(k1, z0.shape, z0.dtype)
+        zb = z0 + 1.0 * random.normal(k2, z0.shape, z0.dtype)
+        d1, d2 = dep(za), dep(zb)
+        return {nm: (d1[nm] != 0) | (d2[nm] != 0) for nm in names}  # (dz, size)
+
+    nz = {nm: np.asarray(v) for nm, v in
+          deps(arrays, key, info.theta0_c, info.z0_u_flat).items()}
+    edges = []
+    for nm in names:
+        m = nz[nm]
+        for col in np.nonzero(m.any(0))[0]:
+            rows = np.nonzero(m[:, col])[0]
+            if len(rows) > 1:
+                edges.append(np.stack([np.repeat(rows[0], len(rows) - 1), rows[1:]], 1))
+    pairs = np.concatenate(edges) if edges else np.zeros((0, 2), np.int64)
+    labels = _union_find_groups(dz, pairs)
+    n = int(labels.max()) + 1
+    if n == 1 and dz > MAX_ONE_GROUP_DIM:
+        return None, ("no plate holds every latent site, and the latents form one connected "
+                      "group (crossed grouping factors): one block")
+    counts = np.bincount(labels, minlength=n)
+    q = int(counts.max())
+    if q > max(1, MAX_PADDING * int(counts.min())):
+        return None, ("no plate holds every latent site, and the connected groups of latents "
+                      f"have very unequal sizes ({int(counts.min())} to {q} coordinates)")
+    # groups of unequal sizes are padded to the largest (-1: see pad_mask)
+    zidx = np.full((n, q), -1, np.int64)
+    for g in range(n):
+        c = np.nonzero(labels == g)[0]
+        zidx[g, :len(c)] = c
+    site_ids = {}
+    for nm in names:
+        m = nz[nm]
+        shape = np.shape(shapes[nm])
+        anyd = m.any(0)
+        first = np.argmax(m, 0)
+        site_ids[nm] = np.where(anyd, labels[first], -1).astype(np.int32).reshape(shape)
+    # the plates of the latents of the first group, outermost first, name the grouping
+    plates = []
+    for nm in info.latent_names:
+        for f in info.trace0[nm]["cond_indep_stack"]:
+            if f.name not in plates:
+                plates.append(f.name)
+    label = "groups(" + "/".join(plates) + ")"
+    return SubjectLayout(label, n, q, zidx, tuple(sorted(site_ids.items())), names), ""
 
 
 def _elementwise_logdet(t, u, c):
@@ -1027,9 +1163,29 @@ def log_joint_per_subject(info: ModelInfo, layout: SubjectLayout, theta_c, z_u_f
             for nm in info.latent_names
         ]).astype(dt)
         zid = np.empty(info.dim_z, np.int32)
-        zid[layout.zidx.reshape(-1)] = np.repeat(np.arange(n), layout.q)
+        zx = np.asarray(layout.zidx)
+        valid = zx >= 0  # padded entries of unequal groups (-1) hold no coordinate
+        zid[zx[valid]] = np.broadcast_to(np.arange(n)[:, None], zx.shape)[valid]
         out = out + jax.ops.segment_sum(lj, jnp.asarray(zid), num_segments=n + 1)
     return out[:n], out[n]
+
+
+def pad_mask(zidx) -> np.ndarray:
+    """``(n, q)`` bool: the padded entries of a layout whose groups have unequal sizes
+    (``zidx == -1``). A padded entry is a pseudo-coordinate with a standard normal density,
+    independent of everything (it integrates to 1): the E-step draws it afresh and the
+    likelihood integrates it out exactly, so equal-size blocks serve unequal groups."""
+    return np.asarray(zidx) < 0
+
+
+def pad_log_density(xb, zidx):
+    """The standard normal log-density of the padded entries of blocks ``xb``
+    ``(..., n, q)``, per subject ``(..., n)`` (0 without padding)."""
+    mask = pad_mask(zidx)
+    if not mask.any():
+        return jnp.zeros(xb.shape[:-1], xb.dtype)
+    m = jnp.asarray(mask, xb.dtype)
+    return jnp.sum(m * (-0.5 * xb**2 - 0.5 * np.log(2.0 * np.pi)), -1)
 
 
 def _block_kind(zidx) -> str:
@@ -1056,6 +1212,9 @@ def to_blocks(x, zidx):
         return x.reshape(x.shape[:-1] + (n, q))
     if kind == "cols":
         return jnp.swapaxes(x.reshape(x.shape[:-1] + (q, n)), -1, -2)
+    if pad_mask(zidx).any():
+        return jnp.where(jnp.asarray(zidx < 0), jnp.zeros((), x.dtype),
+                         x[..., np.maximum(zidx, 0)])
     return x[..., zidx]
 
 
@@ -1069,15 +1228,17 @@ def from_blocks(xb, zidx):
         return xb.reshape(lead + (n * q,))
     if kind == "cols":
         return jnp.swapaxes(xb, -1, -2).reshape(lead + (n * q,))
-    inv = np.empty(n * q, np.int64)
-    inv[zidx.reshape(-1)] = np.arange(n * q)
+    valid = zidx.reshape(-1) >= 0
+    inv = np.empty(int(valid.sum()), np.int64)
+    inv[zidx.reshape(-1)[valid]] = np.nonzero(valid)[0]
     return xb.reshape(lead + (n * q,))[..., inv]
 
 
 def block_hessian(grad_fn, z, lay):
     """Per-subject Hessian blocks ``(n, q, q)`` of a function whose Hessian is block
     diagonal over subjects: ``q`` Hessian-vector products, one per coordinate of every
-    subject at once."""
+    subject at once. Padded entries (:func:`pad_mask`) get the curvature 1 of their standard
+    normal pseudo-density (``grad_fn`` is the gradient of a negative log-density)."""
     n, q = np.shape(lay.zidx)
 
     def col(e_k):
@@ -1087,7 +1248,11 @@ def block_hessian(grad_fn, z, lay):
 
     cols = jax.vmap(col)(jnp.eye(q, dtype=z.dtype))  # (q, n, q)
     H = jnp.transpose(cols, (1, 2, 0))
-    return (H + jnp.swapaxes(H, -1, -2)) / 2.0
+    H = (H + jnp.swapaxes(H, -1, -2)) / 2.0
+    mask = pad_mask(lay.zidx)
+    if mask.any():
+        H = H + jnp.asarray(mask, H.dtype)[..., None] * jnp.eye(q, dtype=H.dtype)
+    return H
 
 
 def centring_design(info: ModelInfo, layout: SubjectLayout, theta_u, z_u_flat, args, kwargs,
@@ -1137,9 +1302,19 @@ def centring_design(info: ModelInfo, layout: SubjectLayout, theta_u, z_u_flat, a
     gt, gz = jax.vmap(grads)(thetas, zs)  # (P, n, d), (P, n, q)
     G = jnp.moveaxis(gz, 0, 1)  # (n, P, q)
     R = jnp.moveaxis(gt, 0, 1)  # (n, P, d)
-    Gs = G / (jnp.linalg.norm(G, axis=1, keepdims=True) + 1e-30)
+    scale = jnp.linalg.norm(G, axis=1) + 1e-30  # (n, q)
+    if layout.n == 1 and layout.q > 1 and str(layout.plate).startswith("groups("):
+        # one connected group (crossed factors): the shift is not unique (the intercept
+        # moves every level of either factor). Put it on the factor with the fewest levels
+        # -- the one that leaves the intercept least determined (minimum norm weighted by
+        # the number of levels squared), as a centred parametrisation would
+        sizes = np.concatenate([np.full(int(np.prod(info.z_u_shapes[nm])),
+                                        float(np.prod(info.z_u_shapes[nm])))
+                                for nm in info.latent_names])
+        scale = scale * jnp.asarray(sizes[np.asarray(layout.zidx)] ** 2, dt)
+    Gs = G / scale[:, None, :]
     m = jax.vmap(lambda a, b: jnp.linalg.lstsq(a, b)[0])(Gs, R)  # (n, q, d) scaled
-    m = m / (jnp.linalg.norm(G, axis=1)[:, :, None] + 1e-30)
+    m = m / scale[:, :, None]
     fit = jnp.einsum("npq,nqd->npd", G, m)
     # the residual is judged against the size of what is explained (R), plus rounding in
     # G m: not against |G||m|, which a spurious, large m would inflate until any fit passed.

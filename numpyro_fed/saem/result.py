@@ -269,6 +269,13 @@ class StandardErrors(dict):
     convergence_messages: list = []
 
 
+def _exact_tolerance(ll_i):
+    """Largest departure of a subject's integrand from its quadratic expansion that is
+    rounding (:func:`~numpyro_fed.saem.likelihood.gaussian_exact`): 1e-3 absolute plus 1e-5 of
+    the subject's log-likelihood (float32 sums of the log-density terms)."""
+    return 1e-3 + 1e-5 * np.abs(np.nan_to_num(np.asarray(ll_i), nan=np.inf))
+
+
 class SAEMResult:
     """Result of :meth:`SAEM.run <numpyro_fed.saem.SAEM.run>`.
 
@@ -561,7 +568,12 @@ class SAEMResult:
         :param method: ``"is"`` (importance sampling, multivariate-t proposals per subject from
             the conditional mean and covariance of the draws; saemix's ``llis``), ``"gq"``
             (adaptive Gauss--Hermite quadrature, at most 3 latent coordinates per subject) or
-            ``"laplace"`` (Laplace at the conditional modes).
+            ``"laplace"`` (Laplace at the conditional modes), ``"exact"`` (the closed form of
+            a linear Gaussian model -- any number of crossed or nested grouping factors --
+            per subject or connected group: the Laplace value at the exact mode, after checking
+            that each integrand is quadratic in the latents; a ``ValueError`` when it is not)
+            or ``"auto"`` (``"exact"`` where it applies, else ``"is"``; the returned
+            ``method`` says which ran).
         :param data_transforms: ``{site: T}`` for observed sites whose data are
             :math:`v = T^{-1}(y)` (e.g. ``ExpTransform()`` for an exponential error model
             written on :math:`\\log y`): the likelihood is then reported on the scale of
@@ -571,8 +583,9 @@ class SAEMResult:
             number of subjects when there are subjects, else of the number of
             observations), ``method``, ``num_subjects``.
         """
-        if method not in ("is", "gq", "laplace"):
-            raise ValueError(f"method={method!r}: use 'is', 'gq' or 'laplace'.")
+        if method not in ("is", "gq", "laplace", "exact", "auto"):
+            raise ValueError(
+                f"method={method!r}: use 'is', 'gq', 'laplace', 'exact' or 'auto'.")
         # the importance sample is drawn in whole batches: num_samples=0 would draw one batch
         # and report 0 samples, so every size is checked
         num_samples = check_int("num_samples", num_samples, minimum=1,
@@ -587,7 +600,26 @@ class SAEMResult:
         lay = layout if layout is not None else joint_layout(info)
         n = lay.n
         zs = jnp.asarray(self.z_draws)
-        if method == "is":
+        requested = method
+        if method in ("exact", "auto"):
+            ll_i, rest, disc = self._gaussian_exact(key, zs)
+            worst = int(np.argmax(disc)) if disc.size else 0
+            if np.all(disc <= _exact_tolerance(ll_i)):
+                method = "exact"
+            elif method == "exact":
+                raise ValueError(
+                    "log_likelihood(method='exact'): the model is not linear Gaussian in its "
+                    "latents -- log p(y, z | theta) of "
+                    + (f"subject (group) {worst}" if layout is not None else "the model")
+                    + f" differs from its quadratic expansion by {float(disc[worst]):.3g} at "
+                    "a check point, so no closed form applies; use method='is' (importance "
+                    "sampling), 'gq' or 'laplace'."
+                )
+            else:
+                method = "is"
+        if method == "exact":
+            se = 0.0
+        elif method == "is":
             prog = self._program(
                 ("is", num_samples, df, batch_size),
                 lambda a, kw, ids: lambda tc, zs, key: lik.importance_sampling(
@@ -623,6 +655,7 @@ class SAEMResult:
             "loglik": ll, "m2ll": -2 * ll, "m2ll_se": se,
             "aic": -2 * ll + 2 * p, "bic": -2 * ll + math.log(nb) * p,
             "method": method, "num_subjects": int(n),
+            "requested_method": requested,
             "converged": self.converged,
             "convergence_messages": list(self.convergence_messages),
         }
@@ -630,6 +663,19 @@ class SAEMResult:
             out["num_samples"] = int(-(-num_samples // batch_size) * batch_size)
         self._ll[method] = out
         return out
+
+    def _gaussian_exact(self, key, zs):
+        """The closed-form per-subject log-likelihoods and their Gaussianity discrepancies
+        (:func:`~numpyro_fed.saem.likelihood.gaussian_exact`), as host arrays."""
+        info, layout = self.info, self.layout
+        z_init = jnp.mean(zs.reshape(-1, zs.shape[-1]), 0)
+        prog = self._program(
+            ("exact",),
+            lambda a, kwa, ids: lambda tc, z0, k: lik.gaussian_exact(
+                info, layout, ids, tc, z0, a, kwa, k))
+        ll_i, rest, disc = prog(info.constrain_theta(jnp.asarray(self.theta)), z_init,
+                                random.fold_in(key, 17))
+        return np.asarray(ll_i, np.float64), rest, np.asarray(disc, np.float64)
 
     # -- diagnostics --------------------------------------------------------------------------
     def check_convergence(self, warn: bool = True) -> list[str]:
