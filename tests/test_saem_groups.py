@@ -275,3 +275,38 @@ def test_pastes_importance_sampling_se_is_honest_over_20_seeds():
     errs = np.asarray(errs)
     assert np.mean(np.abs(errs) <= 2.0) >= 0.9, errs
     assert abs(np.mean(errs)) < 1.0 and 0.6 < np.std(errs) < 1.5, errs
+
+
+def pastes_plain_model(batch, cask, strength=None):
+    """Pastes as a new user writes it: both plate sizes computed from the data."""
+    mu = numpyro.param("mu", 50.0)
+    tau_batch = numpyro.param("tau_batch", 3.0, constraint=constraints.positive)
+    tau_cask = numpyro.param("tau_cask", 1.0, constraint=constraints.positive)
+    sigma = numpyro.param("sigma", 2.0, constraint=constraints.positive)
+    with numpyro.plate("batches", len(np.unique(batch))):
+        b = numpyro.sample("b", dist.Normal(0.0, tau_batch))
+    with numpyro.plate("casks", int(cask.max()) + 1):
+        c = numpyro.sample("c", dist.Normal(0.0, tau_cask))
+    with numpyro.plate("obs", batch.shape[0]):
+        numpyro.sample("strength", dist.Normal(mu + b[batch] + c[cask], sigma),
+                       obs=strength)
+
+
+def test_nested_factors_with_plate_sizes_from_the_data():
+    """Two idioms at once: nested grouping factors whose plate sizes the model computes from
+    the data. The layout is the constant-size model's (one group per batch), and a short fit
+    gives its estimates (same programs up to the static sizes: float32 round-off)."""
+    case = sc.get_case("pastes")
+    data = {k: v for k, v in case.data.items() if k not in ("n_batches", "n_casks")}
+    info = ModelInfo(pastes_plain_model, (), data, jax.random.key(0))
+    lay, reason = subject_layout(info, None, (), data, jax.random.key(1))
+    assert lay is not None, reason
+    assert (lay.n, lay.q) == (10, 4)
+    sched = Schedule(num_iters=40, num_exploration=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        plain = SAEM(pastes_plain_model, schedule=sched).run(jax.random.key(2), **data)
+        const = SAEM(case.model, schedule=sched).run(jax.random.key(2), **case.data)
+    want, got = const.estimates(), plain.estimates()
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-4)
