@@ -22,6 +22,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+from compile_count import Compiles
 from jax import random
 from numpyro.infer import MCMC, NUTS
 from numpyro.infer.initialization import init_to_sample
@@ -458,28 +459,7 @@ def test_saem_reads_a_changed_global():
 
 
 # ----------------------------------------------------------------- nothing changed
-class _Compiled:
-    """Programs compiled (or read from JAX's persistent cache) while the context is open."""
-
-    def __enter__(self):
-        from jax._src import monitoring
-
-        self.names: list[str] = []
-
-        def listen(event, duration, fun_name="", **kw):
-            if event == "/jax/core/compile/backend_compile_duration":
-                self.names.append(fun_name)
-            elif event == "/jax/compilation_cache/cache_retrieval_time_sec":
-                self.names.append("<persistent cache>")
-
-        self._listen = listen
-        monitoring.register_event_duration_secs_listener(listen)
-        return self
-
-    def __exit__(self, *exc):
-        from jax._src import monitoring
-
-        monitoring.unregister_event_duration_listener(self._listen)
+_Compiled = Compiles
 
 
 @pytest.mark.parametrize("name", ["nuts", "qlsd++", "belf"])

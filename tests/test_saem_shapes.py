@@ -14,6 +14,7 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 import saem_cases as sc
+from compile_count import Compiles
 from numpyro.distributions import constraints
 
 from numpyro_fed.saem import SAEM, Schedule
@@ -226,29 +227,7 @@ def test_size_passed_as_an_argument(n):
         assert res.estimates()[k] == pytest.approx(v, rel=1e-5), k
 
 
-class _Compiles:
-    """Programs compiled by XLA or read back from JAX's persistent cache while open
-    (the pattern of tests/test_compilation.py)."""
-
-    def __enter__(self):
-        from jax._src import monitoring
-
-        self.names: list[str] = []
-
-        def listen(event, duration, fun_name="", **kw):
-            if event == "/jax/core/compile/backend_compile_duration":
-                self.names.append(fun_name)
-            elif event == "/jax/compilation_cache/cache_retrieval_time_sec":
-                self.names.append("<persistent cache>")
-
-        self._listen = listen
-        monitoring.register_event_duration_secs_listener(listen)
-        return self
-
-    def __exit__(self, *exc):
-        from jax._src import monitoring
-
-        monitoring.unregister_event_duration_listener(self._listen)
+_Compiles = Compiles
 
 
 def test_repeated_fit_does_not_recompile_and_new_static_values_are_not_stale():
