@@ -1902,8 +1902,10 @@ def _fingerprint(case: Case) -> str:
     init, _ = _spec(case.name)
     for k in sorted(case.data):
         v = case.data[k]
-        if not hasattr(v, "shape") and not isinstance(v, (bool, int, float, str)):
-            continue  # a static object (nlme's binding), derived from the arrays
+        if k == "pairs" or (not hasattr(v, "shape")
+                            and not isinstance(v, (bool, int, float, str))):
+            # derived from the other arrays: nlme's binding and its (sample, dose) pairs
+            continue
         a = np.asarray(v)
         h.update(k.encode() + str(a.dtype).encode() + a.tobytes())
     for k in sorted(init):
