@@ -364,6 +364,20 @@ def test_deployed_client_programs_read_the_model_now(restore_loc):
         np.testing.assert_array_equal(a, f)
 
 
+def test_deployed_client_programs_under_a_transformation():
+    """A client oracle first called on concrete arguments (compiled and kept) and then inside
+    ``jax.jit`` (traced into the caller's program) gives the same gradients both ways."""
+    X, y = _data()
+    problem = ClientProblem(global_model, {"X": X[:8], "y": y[:8]}, prior_weight=1.0)
+    theta = jnp.asarray(np.array([0.1, 0.2], np.float32))
+    key = random.key(0)
+    np.testing.assert_allclose(jax.jit(problem.full_grad)(theta), problem.full_grad(theta),
+                               rtol=1e-6)
+    eager = problem.batch_grad(key, theta, 4)
+    traced = jax.jit(lambda t: problem.batch_grad(key, t, 4))(theta)
+    np.testing.assert_allclose(traced, eager, rtol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["delf", "qlsd++"])
 def test_kernel_init_reads_the_model_and_attributes_now(name, restore_loc):
     """The kernel's compiled ``init`` (ELF's initial full gradients, the bits of the initial

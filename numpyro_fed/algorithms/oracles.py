@@ -64,9 +64,12 @@ class _ClientPrograms:
         self.compiled: dict[tuple, Callable] = {}
 
     def __call__(self, name: str, n: int | None, *args: Any) -> jax.Array:
+        fn = self.fns[name]
+        if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(args)):
+            # inside the caller's transformation: traced into its program, nothing compiled
+            return fn(*args) if n is None else fn(*args, n)
         run = self.compiled.get((name, n))
         if run is None:
-            fn = self.fns[name]
             program = fn if n is None else (lambda *a: fn(*a, n))
             run = _programs.compile_program(program, args, tag=f"client.{name}")
             self.compiled[(name, n)] = run
