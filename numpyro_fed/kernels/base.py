@@ -43,23 +43,6 @@ class DivergenceError(FloatingPointError):
     chain: int | None = None
 
 
-def value_settings(obj: Any) -> tuple:
-    """An object's attributes that are hashed by value (numbers, strings, flags, frozen
-    dataclasses, tuples of those), as sorted ``(name, value)`` pairs: the part of a kernel's
-    configuration that a compiled program bakes in as constants. Arrays, functions and
-    objects hashed by identity are left out."""
-    out = []
-    for name, value in sorted(vars(obj).items()):
-        if callable(value) or type(value).__hash__ in (None, object.__hash__):
-            continue
-        try:
-            hash(value)
-        except TypeError:
-            continue
-        out.append((name, value))
-    return tuple(out)
-
-
 def split_chain_keys(rng_key) -> tuple[bool, Any]:
     """Return ``(vectorized, keys)``: a single key, or a batch of per-chain keys.
 
