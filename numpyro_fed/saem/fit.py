@@ -728,6 +728,7 @@ class SAEM:
         )
 
     def _describe(self, st: _Structure) -> dict:
+        spec = getattr(st.mstep, "spec", None)
         return {
             "kernel": self.kernel if isinstance(self.kernel, str) else type(self.kernel).__name__,
             "num_chains": st.num_chains, "prior_proposals": st.prior_proposals,
@@ -741,6 +742,13 @@ class SAEM:
             "interweave": bool(getattr(st.mstep, "interweave", False)),
             # the data arguments the model reads concretely (static: compiled per value)
             "static_data": list(st.info.static_data),
+            # the scales of Gaussian sites (standard deviations of random effects and
+            # residuals: flat constrained indices) and the covariance parameters of
+            # MultivariateNormal sites, for the variance scale of the parameter table
+            "variance_coords": sorted(int(i) for i in np.concatenate(
+                [spec.scale_lat_idx, spec.scale_obs_idx])) if spec is not None else [],
+            "mvn_covariances": [(n, r, list(ps)) for n, r, ps in spec.mvn_sites]
+            if spec is not None else [],
         }
 
 

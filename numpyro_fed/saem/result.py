@@ -11,6 +11,7 @@ import numpy as np
 from jax import random
 
 from numpyro_fed._validation import check_int, check_positive_float
+from numpyro_fed.saem import information as info_mod
 from numpyro_fed.saem import likelihood as lik
 from numpyro_fed.saem.model import (
     ModelInfo,
@@ -239,6 +240,12 @@ def boundary_advice(b: dict) -> str:
 #: standard_errors` warns that it is uncertain
 SE_MC_REL = 0.1
 
+#: most latent coordinates per group for the importance-sampling information
+#: (``fisher_information(method="is")``, chosen by ``"auto"`` between the Gauss--Hermite
+#: limit and this): a multivariate-t proposal's effective sample size falls with the
+#: dimension; beyond it the Louis identity on the fit's MCMC draws is used
+IS_MAX_LATENTS = 10
+
 
 def missing_ratio(obs: np.ndarray, miss: np.ndarray) -> np.ndarray:
     r"""Per coordinate of theta (unconstrained), how many times its variance
@@ -308,7 +315,10 @@ class SAEMResult:
         self.accept_rate_final = accept_final
         #: centring design of the fit (``None``: standard errors were not asked for)
         self.centring = centring
-        self._fisher = None
+        self._fisher: dict = {}
+        self.fisher_method: str | None = None
+        self.fisher_mc_error: np.ndarray | None = None
+        self._fisher_num_samples: int | None = None
         self.mstep = mstep
         self.num_params = info.dim_theta
         self.num_exploration = int(num_exploration)
@@ -350,55 +360,229 @@ class SAEMResult:
         flat = np.asarray(self.info.theta_c_flat(jnp.asarray(self.theta)))
         return dict(zip(self.names, flat.tolist(), strict=True))
 
-    def fisher_information(self) -> np.ndarray:
-        """Louis observed information at :math:`\\hat\\theta` in unconstrained coordinates,
-        :math:`-(\\bar H + \\overline{gg^\\top} - \\bar g\\bar g^\\top)`, the averages over
-        the draws of :math:`z` at the final :math:`\\theta` of the complete-data score
-        :math:`g` and Hessian :math:`H` (Louis 1982; Delyon, Lavielle & Moulines 1999,
-        Sec. 6), differentiated in the centred coordinates of the fit (see
-        :func:`~numpyro_fed.saem.model.centring_design`: the same information, a smaller
-        Monte Carlo error; for a singular fit, the model's own coordinates). Computed once (a
-        compiled program cached per model structure)."""
+    def fisher_information(self, method: str = "auto", *, num_samples: int = 4000,
+                           num_nodes: int | None = None,
+                           rng_key: jax.Array | None = None) -> np.ndarray:
+        """Observed information at :math:`\\hat\\theta` in unconstrained coordinates, minus
+        the Hessian of :math:`\\log p(y\\mid\\theta)` (see :mod:`~numpyro_fed.saem.
+        information`). The method that ran is :attr:`fisher_method`; the estimated relative
+        Monte Carlo error of each unconstrained coordinate's standard error (0 for the
+        deterministic methods) is :attr:`fisher_mc_error`.
+
+        :param method:
+
+            - ``"exact"``: the Hessian of the closed-form marginal likelihood of a linear
+              Gaussian model (any number of crossed or nested grouping factors; the model is
+              checked to be linear Gaussian as for ``log_likelihood(method="exact")``, a
+              ``ValueError`` when it is not);
+            - ``"gq"``: the Hessian of the adaptive Gauss--Hermite quadrature of each
+              group's likelihood, nodes fixed at :math:`\\hat\\theta` (at most
+              :data:`~numpyro_fed.saem.information.GH_MAX_LATENTS` latents per group);
+            - ``"is"``: the same with ``num_samples`` independent importance draws per group
+              (multivariate-t proposals from the conditional moments of the draws): the
+              Louis identity under importance weights, its Monte Carlo error estimated from
+              8 independent batches of the draws;
+            - ``"louis"``: the Louis identity on the fit's MCMC draws at the final
+              :math:`\\theta`, :math:`-(\\bar H + \\overline{gg^\\top} - \\bar g\\bar
+              g^\\top)` (Louis 1982; Delyon, Lavielle & Moulines 1999, Sec. 6), in the
+              centred coordinates of the fit (:func:`~numpyro_fed.saem.model.
+              centring_design`); its Monte Carlo error is :func:`missing_ratio`'s estimate
+              (independent draws assumed: an underestimate for autocorrelated chains);
+            - ``"auto"`` (default): ``"exact"`` for a linear Gaussian model, else ``"gq"``
+              with at most 3 latents per group, else ``"is"`` with at most
+              :data:`IS_MAX_LATENTS`, else ``"louis"``.
+
+            Why not the Louis identity by default: for a weakly identified variance the
+            complete and missing information nearly cancel, and the Monte Carlo error of
+            the missing part (a few hundred autocorrelated draws) becomes the error of the
+            standard error (Orthodont's slope variance: SE 0.47-0.69 of the exact one).
+        :param num_samples: importance draws per group for ``"is"``.
+        :param num_nodes: Gauss--Hermite nodes per axis for ``"gq"`` (default 20, 12, 8 for
+            1, 2, 3 latents).
+        :param rng_key: key of the importance draws (default ``random.key(0)``).
+        """
+        if method not in ("auto", "exact", "gq", "is", "louis"):
+            raise ValueError(
+                f"fisher_information(method={method!r}): use 'auto', 'exact', 'gq', 'is' or "
+                "'louis'.")
+        num_samples = check_int("num_samples", num_samples, minimum=16,
+                                hint=" The importance draws are split in 8 batches.")
+        num_nodes = check_int("num_nodes", num_nodes, minimum=1, allow_none=True)
         if self.centring is None:
             raise ValueError("Standard errors need SAEM(..., fisher=True).")
-        if self._fisher is None:
-            info = self.info
+        if not isinstance(getattr(self, "_fisher", None), dict):
+            self._fisher = {}
+        lay = self.layout if self.layout is not None else joint_layout(self.info)
+        requested = method
+        if method in ("auto", "exact"):
+            if "exact" not in self._fisher:
+                ll_i, _, disc = self._gaussian_exact(random.key(0), jnp.asarray(self.z_draws))
+                self._fisher["exact"] = (None if not np.all(disc <= _exact_tolerance(ll_i))
+                                         else self._exact_information())
+            if self._fisher["exact"] is not None:
+                method = "exact"
+            elif method == "exact":
+                raise ValueError(
+                    "fisher_information(method='exact'): the model is not linear Gaussian in "
+                    "its latents (log p(y, z | theta) is not quadratic in z), so its marginal "
+                    "likelihood has no closed form; use method='gq' (at most "
+                    f"{info_mod.GH_MAX_LATENTS} latents per group; this model has {lay.q}), "
+                    "'is' or 'louis'.")
+            else:
+                method = ("gq" if lay.q <= info_mod.GH_MAX_LATENTS else
+                          "is" if lay.q <= IS_MAX_LATENTS else "louis")
+        if method == "gq" and lay.q > info_mod.GH_MAX_LATENTS:
+            raise ValueError(
+                f"fisher_information(method='gq'): {lay.q} latent coordinates per group (at "
+                f"most {info_mod.GH_MAX_LATENTS}); use method='is' or 'louis'.")
+        key = (method, num_nodes) if method == "gq" else (
+            (method, num_samples, None if rng_key is None else
+             tuple(np.asarray(random.key_data(rng_key)).ravel().tolist()))
+            if method == "is" else method)
+        if key not in self._fisher:
+            if method == "louis":
+                self._fisher[key] = self._louis_information()
+            elif method == "gq":
+                self._fisher[key] = self._node_information("gq", num_nodes=num_nodes)
+            elif method == "is":
+                self._fisher_num_samples = num_samples
+                self._fisher[key] = self._node_information(
+                    "is", num_samples=num_samples,
+                    rng_key=random.key(0) if rng_key is None else rng_key)
+        info_u, mc = self._fisher[key]
+        if not np.all(np.isfinite(info_u)) and requested == "auto" and method != "louis":
+            # a quadrature or importance sum that overflowed: the Louis identity
+            if "louis" not in self._fisher:
+                self._fisher["louis"] = self._louis_information()
+            method = "louis"
+            info_u, mc = self._fisher["louis"]
+        #: which information the standard errors come from (see :meth:`fisher_information`)
+        self.fisher_method = method
+        #: estimated relative Monte Carlo error of the standard error of each unconstrained
+        #: coordinate of theta (0: a deterministic method)
+        self.fisher_mc_error = np.asarray(mc, np.float64)
+        return np.array(info_u, np.float64)
 
-            def build(args, kwargs, ids):
-                def f(theta, zs, M):
-                    def one(zf):
-                        g, H = centred_score_hess(info, theta, zf[None], args, kwargs, M)
-                        return g[0], H[0]
+    def _centring_for_se(self) -> np.ndarray:
+        """The centring design the information is differentiated along (the model's own
+        coordinates, M = 0, for a singular fit)."""
+        M = np.asarray(self.centring)
+        if getattr(self, "singular_params", None):
+            # a singular fit: the centred coordinates move the latents of a variance at
+            # its floor with the other params, which puts that variance's prior curvature
+            # 1/omega^2 (~1e10) into their complete-data information, cancelled only up to
+            # its Monte Carlo error by the missing information (Dyestuff2: SE of mu 2e-4
+            # instead of 0.667). The model's own coordinates (M = 0) hold no such term
+            M = np.zeros_like(M)
+        return M
 
-                    # batches of B draws, B a divisor of the number of draws (one copy of
-                    # the Hessian in the program: lax.map compiles a remainder separately),
-                    # at most 32: the memory of a batch is B forward-over-reverse passes of
-                    # the whole model (256 took 10 GB on nlme::Quinidine, densely evaluated)
-                    S = zs.shape[0]
-                    B = max(b for b in range(1, min(S, 32) + 1) if S % b == 0)
-                    return jax.lax.map(one, zs, batch_size=B)
+    def _exact_information(self):
+        """Minus the Hessian of the closed-form log-likelihood (a linear Gaussian model)."""
+        info, layout = self.info, self.layout
+        zs = jnp.asarray(self.z_draws)
+        z_init = jnp.mean(zs.reshape(-1, zs.shape[-1]), 0)
 
-                return f
+        def build(args, kwargs, ids):
+            def f(theta_u, z0):
+                tc = info.constrain_theta(theta_u)
+                zm, _, _, _ = lik.conditional_modes(info, layout, ids, tc, z0, args, kwargs,
+                                                    num_iters=8)
+                lay = layout if layout is not None else joint_layout(info)
+                return info_mod.gaussian_hessian(info, lay, ids, theta_u, zm, args, kwargs)
 
-            zs = jnp.asarray(self.z_draws).reshape(-1, self.z_draws.shape[-1])
-            M = np.asarray(self.centring)
-            if getattr(self, "singular_params", None):
-                # a singular fit: the centred coordinates move the latents of a variance at
-                # its floor with the other params, which puts that variance's prior curvature
-                # 1/omega^2 (~1e10) into their complete-data information, cancelled only up to
-                # its Monte Carlo error by the missing information (Dyestuff2: SE of mu 2e-4
-                # instead of 0.667). The model's own coordinates (M = 0) hold no such term
-                M = np.zeros_like(M)
-            g, H = self._program("louis", build)(jnp.asarray(self.theta), zs,
-                                                   jnp.asarray(M, zs.dtype))
-            g, H = np.asarray(g, np.float64), np.asarray(H, np.float64)
-            gm = g.mean(0)
-            miss = (g.T @ g) / g.shape[0] - np.outer(gm, gm)
-            info_u = -(H.mean(0) + miss)
-            self._fisher = (info_u + info_u.T) / 2.0
-            self.louis_missing_ratio = missing_ratio(self._fisher, (miss + miss.T) / 2.0)
-            self.louis_num_draws = int(g.shape[0])
-        return self._fisher.copy()
+            return f
+
+        _, H = self._program("info_exact", build)(jnp.asarray(self.theta), z_init)
+        H = np.asarray(H, np.float64)
+        return -(H + H.T) / 2.0, np.zeros(H.shape[0])
+
+    def _node_information(self, kind: str, num_nodes=None, num_samples=4000, rng_key=None):
+        """Minus the Hessian of the node sum (Gauss--Hermite nodes or importance draws fixed
+        at the estimate; :func:`~numpyro_fed.saem.information.node_hessian`), and the
+        relative Monte Carlo error of each coordinate's standard error (importance draws:
+        the spread of the 8 batch estimates over sqrt(8))."""
+        info, layout = self.info, self.layout
+        zs = jnp.asarray(self.z_draws)
+        M = jnp.asarray(self._centring_for_se(), zs.dtype)
+        B = 8 if kind == "is" else 1
+
+        def build(args, kwargs, ids):
+            lay = layout if layout is not None else joint_layout(info)
+
+            def f(theta_u, zs, M, key):
+                tc = info.constrain_theta(theta_u)
+                if kind == "gq":
+                    z0 = jnp.mean(zs.reshape(-1, zs.shape[-1]), 0)
+                    zm, H, _, _ = lik.conditional_modes(info, layout, ids, tc, z0, args,
+                                                        kwargs)
+                    nodes, logw = info_mod.gh_nodes(lay, zm, H, num_nodes)
+                else:
+                    nodes, logw = info_mod.is_nodes(lay, zs, key, num_samples)
+                return info_mod.node_hessian(info, lay, ids, theta_u, nodes, logw, M, args,
+                                             kwargs, num_batches=B)
+
+            return f
+
+        name = ("info_gq", num_nodes) if kind == "gq" else ("info_is", num_samples)
+        key = random.key(0) if rng_key is None else rng_key
+        _, H, Hb = self._program(name, build)(jnp.asarray(self.theta), zs, M, key)
+        H = np.asarray(H, np.float64)
+        info_u = -(H + H.T) / 2.0
+        mc = np.zeros(H.shape[0])
+        if Hb is not None:
+            Hb = np.asarray(Hb, np.float64)
+            se_b = []
+            for h in Hb:
+                try:
+                    v = np.diag(np.linalg.inv(-(h + h.T) / 2.0))
+                except np.linalg.LinAlgError:
+                    v = np.full(H.shape[0], np.nan)
+                se_b.append(np.sqrt(np.where(v > 0, v, np.nan)))
+            se_b = np.asarray(se_b)
+            try:
+                v = np.diag(np.linalg.inv(info_u))
+                se = np.sqrt(np.where(v > 0, v, np.nan))
+            except np.linalg.LinAlgError:
+                se = np.full(H.shape[0], np.nan)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                # a batch whose information is not positive definite: an error of 100%
+                mc = np.where(np.all(np.isfinite(se_b), 0),
+                              np.std(se_b, 0, ddof=1) / np.sqrt(B) / se, 1.0)
+        return info_u, mc
+
+    def _louis_information(self):
+        """The Louis information from the fit's draws (see :meth:`fisher_information`) and
+        :func:`missing_ratio`'s relative Monte Carlo error of each standard error."""
+        info = self.info
+
+        def build(args, kwargs, ids):
+            def f(theta, zs, M):
+                def one(zf):
+                    g, H = centred_score_hess(info, theta, zf[None], args, kwargs, M)
+                    return g[0], H[0]
+
+                # batches of B draws, B a divisor of the number of draws (one copy of
+                # the Hessian in the program: lax.map compiles a remainder separately),
+                # at most 32: the memory of a batch is B forward-over-reverse passes of
+                # the whole model (256 took 10 GB on nlme::Quinidine, densely evaluated)
+                S = zs.shape[0]
+                B = max(b for b in range(1, min(S, 32) + 1) if S % b == 0)
+                return jax.lax.map(one, zs, batch_size=B)
+
+            return f
+
+        zs = jnp.asarray(self.z_draws).reshape(-1, self.z_draws.shape[-1])
+        M = self._centring_for_se()
+        g, H = self._program("louis", build)(jnp.asarray(self.theta), zs,
+                                               jnp.asarray(M, zs.dtype))
+        g, H = np.asarray(g, np.float64), np.asarray(H, np.float64)
+        gm = g.mean(0)
+        miss = (g.T @ g) / g.shape[0] - np.outer(gm, gm)
+        info_u = -(H.mean(0) + miss)
+        info_u = (info_u + info_u.T) / 2.0
+        self.louis_missing_ratio = missing_ratio(info_u, (miss + miss.T) / 2.0)
+        self.louis_num_draws = int(g.shape[0])
+        return info_u, self.louis_missing_ratio / np.sqrt(2.0 * g.shape[0])
 
     @property
     def singular(self) -> bool:
@@ -451,88 +635,202 @@ class SAEMResult:
 
     def _se_array(self) -> np.ndarray | None:
         """Standard errors of the constrained coordinates (NaN where the information is not
-        positive definite), or ``None`` without the Louis information; no warning."""
+        positive definite), or ``None`` without the information; no warning."""
         if getattr(self, "centring", None) is None:
             return None
         try:
-            info_u = self.fisher_information()
-            cov_u = self._face_inverse(info_u)
+            cov_c = self._cov_constrained(self.fisher_information())
         except (np.linalg.LinAlgError, ValueError, FloatingPointError):
             return None
-        jac = np.asarray(jax.jacfwd(self.info.theta_c_flat)(jnp.asarray(self.theta)))
-        cov_c = jac @ cov_u @ jac.T
         se = np.sqrt(np.where(np.diag(cov_c) > 0, np.diag(cov_c), np.nan))
         return self._nan_singular(se)
+
+    def _cov_constrained(self, info_u: np.ndarray) -> np.ndarray:
+        """Covariance of the constrained flat coordinates (delta method)."""
+        cov_u = self._face_inverse(info_u)
+        jac = np.asarray(jax.jacfwd(self.info.theta_c_flat)(jnp.asarray(self.theta)))
+        return jac @ cov_u @ jac.T
 
     def _nan_singular(self, se: np.ndarray) -> np.ndarray:
         """NaN for the coordinates at their boundary (a singular fit: no regular SE)."""
         sing = set(getattr(self, "singular_params", []))
         return np.where([n in sing for n in self.names], np.nan, se)
 
-    def _warn_louis_precision(self) -> None:
-        """Warn when the Monte Carlo error of the Louis standard errors (estimated by
-        :func:`missing_ratio`) exceeds :data:`SE_MC_REL` for some coordinate, naming the
-        coordinates and the number of draws that would bring it to SE_MC_REL."""
-        r = getattr(self, "louis_missing_ratio", None)
-        S = getattr(self, "louis_num_draws", 0)
-        if r is None or not S:
+    def _warn_se_precision(self) -> None:
+        """Warn when the estimated relative Monte Carlo error of a standard error
+        (:attr:`fisher_mc_error`: importance-sampling batches, or :func:`missing_ratio` for
+        the Louis identity) exceeds :data:`SE_MC_REL`, naming the coordinates and the
+        number of draws that would bring it to SE_MC_REL."""
+        rel = getattr(self, "fisher_mc_error", None)
+        if rel is None or not rel.size:
             return
-        rel = r / np.sqrt(2.0 * S)
         bad = np.isfinite(rel) & (rel > SE_MC_REL)
         if not np.any(bad):
             return
         # names of the unconstrained coordinates: those of the params (flat, same order)
-        names = self.info.theta_coord_names if len(self.names) == len(r) else [
-            f"theta_u[{k}]" for k in range(len(r))]
+        names = self.info.theta_coord_names if len(self.names) == len(rel) else [
+            f"theta_u[{k}]" for k in range(len(rel))]
         worst = float(np.max(rel[bad]))
-        need = int(np.ceil(S * (worst / SE_MC_REL) ** 2))
-        per_chain = -(-need // max(int(self.z_draws.shape[1]), 1))
-        warnings.warn(
-            "SAEM: the Louis standard errors of "
-            + ", ".join(f"'{n}' (missing information {x:.0f}x its variance)" for n, x, b in
-                        zip(names, r, bad, strict=True) if b)
-            + f" rest on a missing-information term estimated from {S} latent draws: their "
-            f"Monte Carlo error is about {worst:.0%} (r / sqrt(2 S)). For "
-            f"{SE_MC_REL:.0%}, use SAEM(..., num_draws={per_chain}) (draws per chain at the "
-            "final theta; weakly identified variances need many).", stacklevel=3)
+        if self.fisher_method == "louis":
+            r = self.louis_missing_ratio
+            S = self.louis_num_draws
+            need = int(np.ceil(S * (worst / SE_MC_REL) ** 2))
+            per_chain = -(-need // max(int(self.z_draws.shape[1]), 1))
+            warnings.warn(
+                "SAEM: the Louis standard errors of "
+                + ", ".join(f"'{n}' (missing information {x:.0f}x its variance)" for n, x, b
+                            in zip(names, r, bad, strict=True) if b)
+                + f" rest on a missing-information term estimated from {S} latent draws: "
+                f"their Monte Carlo error is about {worst:.0%} (r / sqrt(2 S), more for "
+                f"autocorrelated draws). For {SE_MC_REL:.0%}, use SAEM(..., num_draws="
+                f"{per_chain}) (draws per chain at the final theta; weakly identified "
+                "variances need many), or fisher_information(method='is') / 'gq' (the "
+                "marginal likelihood's Hessian).", stacklevel=3)
+        else:
+            S = int(self._fisher_num_samples or 0)
+            need = int(np.ceil(S * (worst / SE_MC_REL) ** 2 / 1000.0)) * 1000
+            warnings.warn(
+                "SAEM: the standard errors of "
+                + ", ".join(f"'{n}'" for n, b in zip(names, bad, strict=True) if b)
+                + f" (method={self.fisher_method!r}, {S} importance draws per group) have a "
+                f"Monte Carlo error of about {worst:.0%} (the spread of 8 independent "
+                f"batches). For {SE_MC_REL:.0%}, use standard_errors(num_samples={need}).",
+                stacklevel=3)
 
-    def standard_errors(self) -> dict[str, float]:
-        """Standard errors of the constrained estimates (delta method on the Louis
-        information in unconstrained coordinates). A fit that has not converged
-        (:attr:`converged` false) warns :class:`ConvergenceWarning`; the returned dict then
-        has ``converged`` false and the reasons in ``convergence_messages`` (attributes)."""
+    def standard_errors(self, method: str = "auto", **kwargs) -> dict[str, float]:
+        """Standard errors of the constrained estimates, named by coordinate (the model's own
+        parameters: a standard deviation ``omega`` gets the SE of ``omega``; see
+        :meth:`parameter_table` for variances and RSE), by the delta method on the observed
+        information in unconstrained coordinates (:meth:`fisher_information` with
+        ``method`` and ``kwargs``: by default the Hessian of the exact or quadrature
+        marginal likelihood where one exists). Warns when their estimated Monte Carlo error
+        is above :data:`SE_MC_REL`. A fit that has not converged (:attr:`converged` false)
+        warns :class:`ConvergenceWarning`; the returned dict then has ``converged`` false and
+        the reasons in ``convergence_messages`` (attributes)."""
         self._warn_unconverged("standard errors")
-        info_u = self.fisher_information()
+        info_u = self.fisher_information(method, **kwargs)
         try:
             cov_u = self._face_inverse(info_u)
         except np.linalg.LinAlgError:
             cov_u = np.full_like(info_u, np.nan)
         var_u = np.diag(cov_u)
         if np.any(var_u < 0) or np.all(var_u <= 0):
-            warnings.warn("The Louis information is not positive definite.", stacklevel=2)
+            warnings.warn(f"The observed information ({self.fisher_method}) is not positive "
+                          "definite.", stacklevel=2)
         jac = np.asarray(jax.jacfwd(self.info.theta_c_flat)(jnp.asarray(self.theta)))
         cov_c = jac @ cov_u @ jac.T
         se = self._nan_singular(np.sqrt(np.where(np.diag(cov_c) > 0, np.diag(cov_c), np.nan)))
-        self._warn_louis_precision()
+        self._warn_se_precision()
         out = StandardErrors(zip(self.names, se.tolist(), strict=True))
         out.converged = self.converged
         out.convergence_messages = list(self.convergence_messages)
         return out
 
-    def summary(self):
-        """DataFrame of estimates, standard errors and relative standard errors (%)."""
+    def _table_rows(self, scale: str) -> list[tuple[str, object, list[int]]]:
+        """``(row name, g(theta_c flat) -> scalar, constrained coordinates it uses)`` for
+        the parameter table on ``scale``."""
+        info = self.info
+        names = self.names
+        var = set(self.settings.get("variance_coords", []))
+        rows, done = [], set()
+        for i, n in enumerate(info.param_names):
+            o, o1 = int(info.param_offsets[i]), int(info.param_offsets[i + 1])
+            mvn = [m for m in self.settings.get("mvn_covariances", [])
+                   if m[1] == "cholesky" and m[2] == [n]]
+            shape = np.shape(info.theta0_c[n])
+            if mvn and len(shape) == 2:
+                q = shape[0]
+
+                def cov(tc, i_=0, j_=0, o=o, q=q):
+                    L = tc[o:o + q * q].reshape(q, q)
+                    return (L @ L.T)[i_, j_]
+
+                for a in range(q):
+                    for b in range(a + 1):
+                        if scale == "variance":
+                            rows.append((f"{n}{n}^T[{a},{b}]",
+                                         lambda tc, a=a, b=b, f=cov: f(tc, a, b),
+                                         list(range(o, o1))))
+                        elif a == b:
+                            rows.append((f"sd({n}{n}^T)[{a}]",
+                                         lambda tc, a=a, f=cov: jnp.sqrt(f(tc, a, a)),
+                                         list(range(o, o1))))
+                        else:
+                            rows.append((f"corr({n}{n}^T)[{a},{b}]",
+                                         lambda tc, a=a, b=b, f=cov: f(tc, a, b) / jnp.sqrt(
+                                             f(tc, a, a) * f(tc, b, b)),
+                                         list(range(o, o1))))
+                done.update(range(o, o1))
+                continue
+            for j in range(o, o1):
+                if j in var and scale == "variance":
+                    rows.append((f"{names[j]}^2", lambda tc, j=j: tc[j] ** 2, [j]))
+                else:
+                    rows.append((names[j], lambda tc, j=j: tc[j], [j]))
+                done.add(j)
+        return rows
+
+    def parameter_table(self, scale: str = "variance", method: str = "auto", **kwargs):
+        """The estimates with their standard errors and relative standard errors, as
+        saemix and Monolix report them: a DataFrame indexed by parameter, columns
+        ``estimate``, ``se``, ``rse_%`` (100 se / |estimate|) and ``singular`` (the
+        coordinate ends at its boundary: no regular SE, NaN).
+
+        :param scale: ``"variance"`` (default): the standard deviation of each Gaussian
+            random effect or residual (a scale the closed-form M-step recognised) is
+            reported as its variance, row ``"omega^2"`` (``"omega[1]^2"`` for an element),
+            estimate :math:`\\hat\\omega^2` and SE :math:`2\\hat\\omega\\,SE(\\hat\\omega)`;
+            a ``lower_cholesky`` covariance parameter ``L`` of a MultivariateNormal as the
+            entries of :math:`LL^\\top` (rows ``"LL^T[i,j]"``, ``i >= j``). ``"sd"``: the
+            standard deviations as the model writes them (``"omega"``), and for a
+            Cholesky parameter the standard deviations ``"sd(LL^T)[i]"`` and correlations
+            ``"corr(LL^T)[i,j]"``. Every other parameter is reported as it is. Standard
+            errors by the delta method from the unconstrained coordinates.
+        :param method: and ``kwargs``: the information (:meth:`fisher_information`).
+        """
         import pandas as pd
 
-        est = self.estimates()
-        se = (self.standard_errors() if self.centring is not None
-              else dict.fromkeys(est, np.nan))
-        df = pd.DataFrame({"estimate": est, "se": se})
-        df["rse_%"] = 100 * df["se"] / df["estimate"].abs()
-        df["singular"] = [n in self.singular_params for n in df.index]
+        if scale not in ("variance", "sd"):
+            raise ValueError(f"parameter_table(scale={scale!r}): use 'variance' (omega^2, as "
+                             "saemix reports) or 'sd' (omega, the model's own scale).")
+        rows = self._table_rows(scale)
+        tc = jnp.asarray(self.info.theta_c_flat(jnp.asarray(self.theta)))
+        vals = np.array([float(g(tc)) for _, g, _ in rows])
+        sing = set(getattr(self, "singular_params", []))
+        if self.centring is not None:
+            self._warn_unconverged("standard errors")
+            info_u = self.fisher_information(method, **kwargs)
+            try:
+                cov_u = self._face_inverse(info_u)
+            except np.linalg.LinAlgError:
+                cov_u = np.full_like(info_u, np.nan)
+            rows_of_u = lambda tu: jnp.stack(  # noqa: E731
+                [g(self.info.theta_c_flat(tu)) for _, g, _ in rows])
+            J = np.asarray(jax.jacfwd(rows_of_u)(jnp.asarray(self.theta)), np.float64)
+            v = np.diag(J @ cov_u @ J.T)
+            se = np.sqrt(np.where(v > 0, v, np.nan))
+            self._warn_se_precision()
+        else:
+            se = np.full(len(rows), np.nan)
+        on_bound = [any(self.names[j] in sing for j in used) for _, _, used in rows]
+        se = np.where(on_bound, np.nan, se)
+        df = pd.DataFrame({"estimate": vals, "se": se},
+                          index=pd.Index([r[0] for r in rows], name="parameter"))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            df["rse_%"] = 100 * df["se"] / df["estimate"].abs()
+        df["singular"] = on_bound
         df.attrs["converged"] = self.converged
         df.attrs["singular"] = self.singular
         df.attrs["convergence_messages"] = list(self.convergence_messages)
+        df.attrs["scale"] = scale
+        df.attrs["se_method"] = getattr(self, "fisher_method", None)
         return df
+
+    def summary(self, scale: str = "variance", method: str = "auto", **kwargs):
+        """The parameter table (:meth:`parameter_table`): estimates, standard errors,
+        relative standard errors (%), variances as ``omega^2`` (``scale="sd"``: the standard
+        deviations)."""
+        return self.parameter_table(scale, method, **kwargs)
 
     # -- latents ------------------------------------------------------------------------------
     def latent_samples(self) -> dict[str, np.ndarray]:
