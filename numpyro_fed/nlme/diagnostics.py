@@ -80,32 +80,33 @@ class NLMEFit:
             return L @ L.T
         return np.diag([float(p[f"omega_{n}"]) ** 2 for n in pk.random_names])
 
-    def parameter_table(self, standard_errors: bool = True):
+    def parameter_table(self, standard_errors: bool = True, scale: str = "variance"):
         """Estimates with standard errors, RSE % and, for the random effects of
         log-normal parameters, the CV % :math:`100\\sqrt{e^{\\omega^2} - 1}`.
 
+        :param scale: ``"variance"`` (default, as saemix and Monolix report them): the
+            random-effect variances :math:`\\omega^2` (rows ``omega_CL^2``; with a full
+            covariance, its entries ``cov(L_omega)[i,j]``) and the squared residual error
+            parameters, with SE and RSE by the delta method; ``"sd"``: the standard
+            deviations as the model writes them (rows ``omega_CL``). See
+            :meth:`SAEMResult.parameter_table <numpyro_fed.saem.SAEMResult.parameter_table>`.
         :return: a pandas DataFrame indexed by parameter name.
         """
-        import pandas as pd
-
         res, pk = self.result, self.pk
         est = res.estimates()
-        se = res.standard_errors() if standard_errors else dict.fromkeys(est, np.nan)
-        rows = []
-        for k, v in est.items():
-            s = se.get(k, np.nan)
-            rows.append({"parameter": k, "estimate": v, "se": s,
-                         "rse_%": 100 * abs(s / v) if v != 0 else np.nan, "cv_%": np.nan})
-        df = pd.DataFrame(rows).set_index("parameter")
+        df = res.parameter_table(scale=scale, standard_errors=standard_errors)
+        df = df[["estimate", "se", "rse_%"]].copy()
+        df["cv_%"] = np.nan
         Om = self.omega()
         for i, n in enumerate(pk.random_names):
             key = f"omega_{n}"
             sd = math.sqrt(Om[i, i])
             cv = (100 * math.sqrt(math.expm1(sd**2)) if pk.params[n].transform == "log"
                   else np.nan)
-            if key in df.index:
-                df.loc[key, "cv_%"] = cv
-            else:  # full covariance: a derived row
+            for k in (key, f"{key}^2"):
+                if k in df.index:
+                    df.loc[k, "cv_%"] = cv
+            if key not in est:  # full covariance: a derived row
                 df.loc[f"sd_{n}"] = {"estimate": sd, "se": np.nan, "rse_%": np.nan,
                                      "cv_%": cv}
         for n in pk.names:  # typical values on the natural scale

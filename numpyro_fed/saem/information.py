@@ -129,36 +129,75 @@ def is_nodes(lay: SubjectLayout, zs, key, num_samples: int, df: float = 4.0):
 
 def node_hessian(info: ModelInfo, lay: SubjectLayout, ids, theta_u, nodes, logw, M, args,
                  kwargs, num_batches: int = 1):
-    """Log-likelihood :math:`\\sum_i\\log\\sum_k\\exp(f_i(b_{ik} - M(\\theta -
-    \\hat\\theta), \\theta) + c_{ik})` and its Hessian in the unconstrained :math:`\\theta`
-    at ``theta_u`` (= :math:`\\hat\\theta`), the nodes ``(K, n, q)`` and log weights
-    ``(K, n)`` fixed; with ``num_batches`` B > 1, also the Hessians of the same sum over each
-    of B equal batches of the nodes (log weights raised by log B: each batch is an estimate of
-    its own), for a Monte Carlo error of independent draws.
+    """Log-likelihood :math:`\\sum_i\\log\\sum_k\\exp(a_{ik}(\\theta))`, :math:`a_{ik}(\\theta)
+    = f_i(b_{ik} - M(\\theta - \\hat\\theta), \\theta) + c_{ik}`, and its Hessian in the
+    unconstrained :math:`\\theta` at ``theta_u`` (= :math:`\\hat\\theta`), the nodes
+    ``(K, n, q)`` and log weights ``(K, n)`` fixed; with ``num_batches`` B > 1, also the
+    Hessians of the same sum over each of B equal batches of the nodes (each batch an estimate
+    of its own), for the Monte Carlo error of independent draws.
+
+    The Hessian is accumulated node by node (no node's intermediate values are kept: the
+    memory of a few model evaluations), as the Louis identity under the node weights
+    :math:`w_{ik} = e^{a_{ik}} / \\sum_l e^{a_{il}}` at :math:`\\hat\\theta`:
+    :math:`\\sum_{ik} w_{ik}(\\nabla^2 a_{ik} + \\nabla a_{ik}\\nabla a_{ik}^\\top) -
+    \\sum_i \\bar g_i\\bar g_i^\\top`, :math:`\\bar g_i = \\sum_k w_{ik}\\nabla a_{ik}`
+    (the derivatives of :math:`\\log\\sum_k e^{a_{ik}}`).
 
     :return: ``(loglik, hessian (p, p), batch_hessians (B, p, p) or None)``.
     """
-    K = nodes.shape[0]
-
-    def ll(tu, b, c):
-        tc = info.constrain_theta(tu)
-        shift = M @ (tu - theta_u)
-
-        def at(bk):
-            z = from_blocks(bk, lay.zidx) - shift
-            v, rest = log_joint_per_subject(info, lay, tc, z, args, kwargs, ids=ids)
-            return v + pad_log_density(bk, lay.zidx), rest
-
-        vals, rest = lax.map(at, b)  # (K, n), (K,)
-        return jnp.sum(jax.nn.logsumexp(vals + c, 0)) + rest[0]
-
-    value = ll(theta_u, nodes, logw)
-    hess = jax.hessian(ll)(theta_u, nodes, logw)
-    if num_batches <= 1:
-        return value, hess, None
-    B = int(num_batches)
+    K, n = logw.shape
+    B = max(int(num_batches), 1)
     m = K // B
-    nb = nodes[: m * B].reshape((B, m) + nodes.shape[1:])
-    cb = logw[: m * B].reshape((B, m) + logw.shape[1:]) + jnp.log(float(B))
-    hb = lax.map(lambda x: jax.hessian(ll)(theta_u, x[0], x[1]), (nb, cb))
+    nodes, logw = nodes[: m * B], logw[: m * B]
+    K = m * B
+    p = theta_u.shape[0]
+
+    def a_of(tu, bk):
+        tc = info.constrain_theta(tu)
+        z = from_blocks(bk, lay.zidx) - M @ (tu - theta_u)
+        v, rest = log_joint_per_subject(info, lay, tc, z, args, kwargs, ids=ids)
+        return v + pad_log_density(bk, lay.zidx), rest
+
+    # nodes in chunks of c (a divisor of K, at most 16) evaluated together
+    c = max(d for d in range(1, min(K, 16) + 1) if K % d == 0)
+    vals, rests = lax.map(lambda bk: a_of(theta_u, bk), nodes, batch_size=c)
+    a = vals + logw  # (K, n)
+    lse = jax.nn.logsumexp(a, 0)
+    value = jnp.sum(lse) + rests[0]
+    W = [jnp.exp(a - lse)]  # full weights (K, n)
+    if B > 1:
+        ab = a.reshape(B, m, n)
+        W.append((jnp.exp(ab - jax.nn.logsumexp(ab, 1, keepdims=True))).reshape(K, n))
+    W = jnp.stack(W, 1)  # (K, r, n)
+    r = W.shape[1]
+    bid = jnp.repeat(jnp.arange(B), m)
+
+    def one(bk, wk):
+        G = jax.jacfwd(lambda tu: a_of(tu, bk)[0])(theta_u)  # (n, p)
+        Hk = jax.hessian(lambda tu: wk @ a_of(tu, bk)[0])(theta_u)  # (r, p, p)
+        m2 = jnp.einsum("rn,ni,nj->rij", wk, G, G)
+        return wk[:, :, None] * G[None], Hk + m2
+
+    def body(carry, x):
+        g_full, g_b, H_full, H_b = carry
+        bks, wks, bs = x
+        gs, hs = jax.vmap(one)(bks, wks)  # (c, r, n, p), (c, r, p, p)
+        g_full = g_full + jnp.sum(gs[:, 0], 0)
+        H_full = H_full + jnp.sum(hs[:, 0], 0)
+        if r > 1:
+            g_b = g_b.at[bs].add(gs[:, 1])
+            H_b = H_b.at[bs].add(hs[:, 1])
+        return (g_full, g_b, H_full, H_b), None
+
+    dt = vals.dtype
+    init = (jnp.zeros((n, p), dt), jnp.zeros((B, n, p), dt), jnp.zeros((p, p), dt),
+            jnp.zeros((B, p, p), dt))
+    xs = (nodes.reshape((K // c, c) + nodes.shape[1:]), W.reshape(K // c, c, r, n),
+          bid.reshape(K // c, c))
+    (g_full, g_b, H_full, H_b), _ = lax.scan(body, init, xs)
+    H_rest = jax.hessian(lambda tu: a_of(tu, nodes[0])[1])(theta_u)
+    hess = H_full - g_full.T @ g_full + H_rest
+    if B == 1:
+        return value, hess, None
+    hb = H_b - jnp.einsum("bni,bnj->bij", g_b, g_b) + H_rest
     return value, hess, hb

@@ -748,15 +748,15 @@ class SAEMResult:
                 for a in range(q):
                     for b in range(a + 1):
                         if scale == "variance":
-                            rows.append((f"{n}{n}^T[{a},{b}]",
+                            rows.append((f"cov({n})[{a},{b}]",
                                          lambda tc, a=a, b=b, f=cov: f(tc, a, b),
                                          list(range(o, o1))))
                         elif a == b:
-                            rows.append((f"sd({n}{n}^T)[{a}]",
+                            rows.append((f"sd({n})[{a}]",
                                          lambda tc, a=a, f=cov: jnp.sqrt(f(tc, a, a)),
                                          list(range(o, o1))))
                         else:
-                            rows.append((f"corr({n}{n}^T)[{a},{b}]",
+                            rows.append((f"corr({n})[{a},{b}]",
                                          lambda tc, a=a, b=b, f=cov: f(tc, a, b) / jnp.sqrt(
                                              f(tc, a, a) * f(tc, b, b)),
                                          list(range(o, o1))))
@@ -770,7 +770,8 @@ class SAEMResult:
                 done.add(j)
         return rows
 
-    def parameter_table(self, scale: str = "variance", method: str = "auto", **kwargs):
+    def parameter_table(self, scale: str = "variance", method: str = "auto", *,
+                        standard_errors: bool = True, **kwargs):
         """The estimates with their standard errors and relative standard errors, as
         saemix and Monolix report them: a DataFrame indexed by parameter, columns
         ``estimate``, ``se``, ``rse_%`` (100 se / |estimate|) and ``singular`` (the
@@ -781,12 +782,13 @@ class SAEMResult:
             reported as its variance, row ``"omega^2"`` (``"omega[1]^2"`` for an element),
             estimate :math:`\\hat\\omega^2` and SE :math:`2\\hat\\omega\\,SE(\\hat\\omega)`;
             a ``lower_cholesky`` covariance parameter ``L`` of a MultivariateNormal as the
-            entries of :math:`LL^\\top` (rows ``"LL^T[i,j]"``, ``i >= j``). ``"sd"``: the
+            entries of :math:`LL^\\top` (rows ``"cov(L)[i,j]"``, ``i >= j``). ``"sd"``: the
             standard deviations as the model writes them (``"omega"``), and for a
-            Cholesky parameter the standard deviations ``"sd(LL^T)[i]"`` and correlations
-            ``"corr(LL^T)[i,j]"``. Every other parameter is reported as it is. Standard
+            Cholesky parameter the standard deviations ``"sd(L)[i]"`` and correlations
+            ``"corr(L)[i,j]"``. Every other parameter is reported as it is. Standard
             errors by the delta method from the unconstrained coordinates.
         :param method: and ``kwargs``: the information (:meth:`fisher_information`).
+        :param standard_errors: ``False``: the estimates only (SE and RSE NaN).
         """
         import pandas as pd
 
@@ -797,7 +799,7 @@ class SAEMResult:
         tc = jnp.asarray(self.info.theta_c_flat(jnp.asarray(self.theta)))
         vals = np.array([float(g(tc)) for _, g, _ in rows])
         sing = set(getattr(self, "singular_params", []))
-        if self.centring is not None:
+        if self.centring is not None and standard_errors:
             self._warn_unconverged("standard errors")
             info_u = self.fisher_information(method, **kwargs)
             try:
