@@ -162,8 +162,8 @@ def test_binomial_glmm_quadrature_information(cbpp):
 
 def test_importance_sampling_information_and_its_error(cbpp):
     """method='is' (independent multivariate-t draws per herd, any number of latents): with
-    the default draws (4000) its reported Monte Carlo error is below 10% and the SE is within 4 reported
-    errors (and 15%) of the exact one. With 16 draws (8 batches of 2) the batch estimates
+    the default draws (4000) its reported Monte Carlo error is below 10% and the SE is within
+    4 reported errors (and 15%) of the exact one. With 16 draws (8 batches of 2) the batch estimates
     scatter, and standard_errors warns with the num_samples that would do."""
     case = sc.get_case("cbpp")
     names = _variances(case)
