@@ -163,8 +163,8 @@ def test_binomial_glmm_quadrature_information(cbpp):
 def test_importance_sampling_information_and_its_error(cbpp):
     """method='is' (independent multivariate-t draws per herd, any number of latents): with
     the default draws (4000) its reported Monte Carlo error is below 10% and the SE is within
-    4 reported errors (and 15%) of the exact one. With 16 draws (8 batches of 2) the batch estimates
-    scatter, and standard_errors warns with the num_samples that would do."""
+    4 reported errors (and 15%) of the exact one; with 16 draws (8 batches of 2) the
+    reported error is larger."""
     case = sc.get_case("cbpp")
     names = _variances(case)
     exact = _exact_se(case, cbpp.params, names)
@@ -174,15 +174,29 @@ def test_importance_sampling_information_and_its_error(cbpp):
     for k in names:
         err = abs(ours[k] / exact[k] - 1)
         assert err < max(4 * mc, 0.02) and err < 0.15, (k, ours[k], exact[k], mc)
+    _quantity_se(cbpp, case, names, "is", num_samples=16)
+    assert float(np.max(cbpp.fisher_mc_error)) > mc
+
+
+@pytest.mark.slow
+def test_noisy_importance_sampling_information_warns():
+    """cbpp_olre (binomial, a herd effect and 4 observation-level effects per herd: 5 latents,
+    beyond Gauss--Hermite): the default SEs come from importance draws, their batch error is
+    below 10% (measured 2%, 16000 draws after 4000 gave 17%) and they are within 20% of the
+    exact ones (measured 0.968 / 0.986); with 64 draws the error is ~100% and
+    standard_errors warns, naming num_samples. (The Louis information of this fit is not
+    positive definite: tau_herd^2 had no SE.)"""
+    res, r = _ratios("cbpp_olre")
+    assert res.fisher_method == "is" and float(np.max(res.fisher_mc_error)) < 0.1
+    assert all(abs(v - 1) <= 0.2 for v in r.values()), r
     with pytest.warns(UserWarning, match=r"standard errors of .*Monte Carlo error.*"
                                          r"num_samples="):
-        cbpp.standard_errors(method="is", num_samples=16)
-    assert float(np.max(cbpp.fisher_mc_error)) > 0.1
+        res.standard_errors(method="is", num_samples=64)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in sc.CASE_NAMES if n not in (
-    "orthodont", "cbpp")])
+    "orthodont", "cbpp", "cbpp_olre")])
 def test_every_case_variance_se_within_20_percent(name):
     """Every case of the test set, seed 0: the SEs of every variance (and covariance)
     within 20% of the exact observed information at the same estimate."""
