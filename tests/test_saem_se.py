@@ -81,18 +81,28 @@ def test_orthodont_variance_ses_match_the_exact_information(orthodont):
     likelihood's Hessian equal the exact ones at the same estimate (float32 rounding only:
     measured 1.000; 2% allows for it). Base: Louis ratios 0.67 / 0.46 / 0.96 (seed 0), no
     warning. The table and standard_errors() use it by default and do not warn."""
-    res, r = _ratios("orthodont")
-    assert res.fisher_method == "exact"
-    assert all(abs(v - 1) < 0.02 for v in r.values()), r
+    case = sc.get_case("orthodont")
+    res = orthodont
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        se = res.standard_errors()
+        se = res.standard_errors()  # the default, as a user calls it
+    est = res.estimates()
+    exact = _exact_se(case, res.params, _variances(case))
+    # delta method: se(s^2) = 2 s se(s) for the model's standard deviations
+    r = {k: 2 * est[k] * se[k] / exact[f"{k}^2"] for k in ("omega[0]", "omega[1]", "sigma")}
+    assert all(abs(v - 1) < 0.02 for v in r.values()), r
+    assert not [str(w.message) for w in caught if "standard error" in str(w.message)]
+    assert res.fisher_method == "exact"
+    # the same through the case's own quantities (covariances of all coordinates)
+    _, r2 = _ratios("orthodont")
+    assert all(abs(v - 1) < 0.02 for v in r2.values()), r2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         tab = res.parameter_table()
     assert not [str(w.message) for w in caught if "standard error" in str(w.message)]
     # the table's omega^2 SE is the delta method 2 omega SE(omega), and matches the reference
     # at the exact maximum within 20% (the estimate is within 0.1 SE of it)
     ref = sc.reference("orthodont")
-    est = res.estimates()
     for k in ("omega[0]", "omega[1]", "sigma"):
         row = tab.loc[f"{k}^2"]
         assert row["estimate"] == pytest.approx(est[k] ** 2, rel=1e-5)
