@@ -212,3 +212,28 @@ def test_every_case_variance_se_within_20_percent(name):
     within 20% of the exact observed information at the same estimate."""
     _, r = _ratios(name)
     assert all(abs(v - 1) <= 0.2 for v in r.values()), r
+
+
+@pytest.mark.slow
+def test_covariance_matrix_rows_of_the_table():
+    """sleepstudy (a MultivariateNormal with a lower_cholesky L): the variance-scale table
+    lists the entries of L L^T with the SEs of the exact information at the estimate (2%:
+    rounding), the SD scale the standard deviations and the correlation."""
+    case = sc.get_case("sleepstudy")
+    res, _ = sc.default_fit("sleepstudy", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        v = res.parameter_table()
+        s = res.parameter_table(scale="sd")
+    exact = _exact_se(case, res.params, ["Sigma[0,0]", "Sigma[1,0]", "Sigma[1,1]"])
+    L = np.asarray(res.params["L"], np.float64)
+    S = L @ L.T
+    for i, j in ((0, 0), (1, 0), (1, 1)):
+        row = v.loc[f"cov(L)[{i},{j}]"]
+        assert row["estimate"] == pytest.approx(S[i, j], rel=1e-4)
+        assert row["se"] / exact[f"Sigma[{i},{j}]"] == pytest.approx(1.0, abs=0.02)
+    assert "sigma^2" in v.index and "L[0,0]" not in v.index
+    assert s.loc["sd(L)[1]", "estimate"] == pytest.approx(np.sqrt(S[1, 1]), rel=1e-4)
+    assert s.loc["corr(L)[1,0]", "estimate"] == pytest.approx(
+        S[1, 0] / np.sqrt(S[0, 0] * S[1, 1]), rel=1e-4)
+    assert np.isfinite(s.loc["corr(L)[1,0]", "se"])
