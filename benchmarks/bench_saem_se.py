@@ -181,7 +181,18 @@ def main() -> None:
                 if a.json:
                     Path(a.json).write_text(json.dumps(rows, indent=1))
     lines = ["# Standard errors of variance components: SAEM / exact observed information",
-             "", __doc__.split("\n\n")[1].replace("\n", " "), "",
+             "", "Written by `benchmarks/bench_saem_se.py`. Each default fit of a case of "
+             "`tests/saem_cases.py` (seed 0, every "
+             "case with an exact reference), then the SE of each variance / covariance "
+             "quantity of the case (delta method from the fit's unconstrained coordinates), "
+             "divided by the SE from the exact observed information AT THE SAME ESTIMATE "
+             "(float64 Hessian of the case's own closed-form or adaptive Gauss-Hermite "
+             "marginal likelihood, written independently of the library); in parentheses, "
+             "divided by the stored reference SE at the exact maximum. Target: within 20%. "
+             "'warned': standard_errors() warned that the SEs are imprecise or the "
+             "information not positive definite. NaN: the information is not positive "
+             "definite (no SE). A boundary variance (Dyestuff2's tau^2) has no regular SE "
+             "and is left out.", "",
              "Before: `louis` (the Louis identity on the fit's draws, what `standard_errors()` "
              "used at 40e77de: identical numbers, checked on the base commit). After: "
              "`auto` (what it uses now: `exact` closed form, `gq` Gauss-Hermite nodes, `is` "
