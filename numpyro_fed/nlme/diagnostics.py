@@ -86,8 +86,8 @@ class NLMEFit:
 
         :param scale: ``"variance"`` (default, as saemix and Monolix report them): the
             random-effect variances :math:`\\omega^2` (rows ``omega_CL^2``; with a full
-            covariance, its entries ``cov(L_omega)[i,j]``) and the squared residual error
-            parameters, with SE and RSE by the delta method; ``"sd"``: the standard
+            covariance, its entries ``cov(L_omega)[i,j]``) with SE and RSE by the delta
+            method, the residual error parameters as written; ``"sd"``: the standard
             deviations as the model writes them (rows ``omega_CL``). See
             :meth:`SAEMResult.parameter_table <numpyro_fed.saem.SAEMResult.parameter_table>`.
         :return: a pandas DataFrame indexed by parameter name.
