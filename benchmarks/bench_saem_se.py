@@ -171,6 +171,9 @@ def main() -> None:
     methods = a.methods.split(",")
     if a.from_json:
         rows = [r for f in a.from_json for r in json.loads(Path(f).read_text())]
+        order = list(sc.CASE_NAMES)
+        rows.sort(key=lambda r: (r["seed"], order.index(r["case"]) if r["case"] in order
+                                 else len(order)))
     else:
         rows = []
         for name in a.names or sc.CASE_NAMES:
