@@ -24,6 +24,7 @@ absent clients), in process (:class:`~numpyro_fed.kernels.elf.ELF`) and deployed
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -35,7 +36,7 @@ from numpyro_fed.algorithms import estimators
 from numpyro_fed.algorithms.federated import FederatedAlgorithm, RoundKeys, SetupRound
 from numpyro_fed.algorithms.langevin import langevin_move
 from numpyro_fed.algorithms.participation import check_participation
-from numpyro_fed.algorithms.variants import canonical_variant, variant_info
+from numpyro_fed.algorithms.variants import canonical_variant, variant_info, variant_of_algorithm
 from numpyro_fed.compressors import Compressor, get_compressor
 
 __all__ = ["ELFServerState", "ELFClientState", "ELFAlgServerState", "algorithm",
@@ -242,3 +243,37 @@ def algorithm(
         refresh_every=None, round_keys=round_keys, init_client=init_client,
         init_server=init_server, refresh=refresh, client_step=client_step, commit=commit,
         server_broadcast=server_broadcast, server_step=server_step)
+
+
+def from_fields(fields: Mapping[str, Any]) -> FederatedAlgorithm:
+    """The ELF algorithm of a deployment's flat settings
+    (:class:`~numpyro_fed.flower.spec.FlowerSpec` fields: ``algorithm`` ``"delf"`` /
+    ``"pelf"`` / ``"belf"``, ``compressor`` (:math:`\\mathcal{Q}^D`; ``"identity"`` for
+    P-ELF), ``downlink``, ``w0``, ``batch_size`` (0: exact), ``step_size``,
+    ``participation``)."""
+    info = variant_of_algorithm(fields["algorithm"], "")
+    if fields.get("theta_star"):
+        raise ValueError("`theta_star` is only used by QLSD* (algorithm='qlsd', variant='*').")
+    up, down = fields.get("compressor", "identity"), fields.get("downlink", "identity")
+    if not info.compress_up and not get_compressor(up).is_identity:
+        raise ValueError(f"P-ELF sends dense gradients: `compressor` must be 'identity', got "
+                         f"{up!r} (use algorithm='belf' to compress both ways).")
+    if not info.compress_down and not get_compressor(down).is_identity:
+        raise ValueError(f"`downlink`={down!r} is only used by P-ELF and B-ELF "
+                         f"(algorithm={fields['algorithm']!r} broadcasts the dense model).")
+    return algorithm(
+        info.code, step_size=fields["step_size"], uplink=up if info.compress_up else None,
+        downlink=down if info.compress_down else None, w0=fields.get("w0", "x0"),
+        batch_size=fields.get("batch_size") or None,
+        participation=fields.get("participation", 1.0))
+
+
+def to_fields(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The deployment's flat settings of :func:`algorithm`'s ``options``: the inverse of
+    :func:`from_fields`."""
+    info = variant_info("elf", options["variant"])
+    return {"algorithm": info.algorithm,
+            "compressor": options["uplink"] if info.compress_up else "identity",
+            "downlink": options["downlink"] if info.compress_down else "identity",
+            "w0": options["w0"], "batch_size": options["batch_size"] or 0,
+            "step_size": options["step_size"], "participation": options["participation"]}

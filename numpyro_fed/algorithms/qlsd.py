@@ -305,3 +305,56 @@ def _jsonable(value: Any) -> Any:
     if not isinstance(value, Mapping):
         value = {"": value}
     return {k: np.asarray(v, np.float64).tolist() for k, v in value.items()}
+
+
+def from_fields(fields: Mapping[str, Any]) -> FederatedAlgorithm:
+    """The QLSD algorithm of a deployment's flat settings
+    (:class:`~numpyro_fed.flower.spec.FlowerSpec` fields: ``variant``, ``compressor``,
+    ``memory_rate``, ``refresh_every``, ``batch_size`` (0: exact), ``theta_star`` (JSON) and
+    its search options, ``step_size``, ``participation``; ``downlink`` and ``w0`` must keep
+    their defaults)."""
+    if fields.get("downlink", "identity") not in ("identity", None):
+        raise ValueError(f"`downlink`={fields['downlink']!r} is only used by P-ELF and B-ELF "
+                         "(QLSD broadcasts the dense model).")
+    if fields.get("w0", "x0") != "x0":
+        raise ValueError("`w0='compressed'` (ELF eq. (3)) needs algorithm 'pelf' or 'belf'.")
+    star = fields.get("theta_star") or None
+    if isinstance(star, str):
+        import json
+
+        try:
+            star = json.loads(star)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"`theta_star` must be JSON of site values: {err}") from err
+        if not isinstance(star, dict) or not star:
+            raise ValueError("`theta_star` must be a JSON object of constrained site values, "
+                             "e.g. '{\"w\": [0.1, -0.2]}'.")
+    variant = canonical_variant("qlsd", fields.get("variant", "#"))
+    search = {}
+    if variant == "*":
+        search = {k: fields[k] for k in ("theta_star_method", "theta_star_maxiter",
+                                         "theta_star_gtol", "theta_star_lr") if k in fields}
+    return algorithm(
+        variant, step_size=fields["step_size"], compressor=fields.get("compressor"),
+        memory_rate=fields.get("memory_rate", 0.0),
+        refresh_every=fields.get("refresh_every", 100),
+        batch_size=fields.get("batch_size") or None,
+        participation=fields.get("participation", 1.0), theta_star=star, **search)
+
+
+def to_fields(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The deployment's flat settings of :func:`algorithm`'s ``options`` (its description):
+    the inverse of :func:`from_fields`."""
+    out = {"algorithm": variant_info("qlsd", options["variant"]).algorithm,
+           "variant": options["variant"], "compressor": options["compressor"],
+           "memory_rate": options["memory_rate"], "refresh_every": options["refresh_every"],
+           "batch_size": options["batch_size"] or 0, "step_size": options["step_size"],
+           "participation": options["participation"]}
+    if options["variant"] == "*":
+        import json
+
+        if options.get("theta_star") is not None:
+            out["theta_star"] = json.dumps(options["theta_star"])
+        out.update({k: options[k] for k in ("theta_star_method", "theta_star_maxiter",
+                                            "theta_star_gtol", "theta_star_lr")})
+    return out

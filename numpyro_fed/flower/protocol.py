@@ -78,10 +78,20 @@ import numpy as np
 from jax import random
 
 from numpyro_fed._validation import check_float, check_int, check_positive_float
-from numpyro_fed.algorithms import elf as elf_core
-from numpyro_fed.algorithms import estimators
-from numpyro_fed.algorithms import qlsd as qlsd_core
 from numpyro_fed.algorithms import theta_star as search_alg
+from numpyro_fed.algorithms.families import algorithm_from_fields, fields_of, is_reference
+from numpyro_fed.algorithms.federated import (
+    SEARCH_SALT,
+    X0_SALT,
+    FederatedAlgorithm,
+    SetupResult,
+    broadcast_apply,
+    broadcast_message,
+    setup_key,
+    state_from_arrays,
+    state_to_arrays,
+    step_keys,
+)
 from numpyro_fed.algorithms.oracles import ClientProblem, client_key
 from numpyro_fed.algorithms.participation import (
     check_participation,
@@ -90,13 +100,9 @@ from numpyro_fed.algorithms.participation import (
 )
 from numpyro_fed.algorithms.theta_star import ThetaStarSearch
 from numpyro_fed.algorithms.variants import (
-    VARIANTS,
-    canonical_variant,
     deployment_algorithms,
-    variant_info,
-    variant_of_algorithm,
 )
-from numpyro_fed.compressors import Compressor, CompressorSpec, get_compressor
+from numpyro_fed.compressors import Compressor, CompressorSpec
 from numpyro_fed.flower.checks import (
     PROBE_SETS,
     ClientMismatchError,
@@ -117,9 +123,8 @@ from numpyro_fed.flower.codecs import (
     deployable_spec,
 )
 from numpyro_fed.kernels.base import DivergenceError, check_step_size
-from numpyro_fed.kernels.elf import ELF
+from numpyro_fed.kernels.driver import centring_at, centring_warning, user_point
 from numpyro_fed.kernels.langevin import _DIVERGED
-from numpyro_fed.kernels.qlsd import QLSD, centring_at, check_theta_star
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential, prior_weights
 
@@ -137,14 +142,12 @@ log = logging.getLogger("numpyro_fed.flower")
 
 # the algorithm names and their variants: the package's one table (algorithms.variants)
 _ALGORITHMS = deployment_algorithms()
-# algorithms with the EF21-P shadow model w (a compressed downlink)
-_SHADOW = tuple(v.algorithm for v in VARIANTS if v.compress_down)
 _SEARCH_METHODS = ("bb", "adam")
 
 
 def kernel_display_name(spec: FlowerSpec) -> str:
     """The name of the deployed kernel in messages, as the in-process kernel writes it."""
-    return variant_of_algorithm(spec.algorithm, spec.variant).display
+    return spec.federated_algorithm().name
 
 
 def divergence_message(spec: FlowerSpec, iteration: int, detail: str = "") -> str:
@@ -167,14 +170,6 @@ def load_model(ref: str) -> Callable:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def _theta_star_json(value: Any) -> str:
-    """JSON of constrained site values ``{name: nested list}`` (a bare array is kept as
-    ``{"": ...}`` and mapped to the model's only latent site by the server)."""
-    if not isinstance(value, Mapping):
-        value = {"": value}
-    return json.dumps({k: np.asarray(v, np.float64).tolist() for k, v in value.items()})
 
 
 @dataclass
@@ -252,15 +247,16 @@ class FlowerSpec:
     init: str = "uniform"
     max_empty_rounds: int = 3
     min_participation: float = 0.5
+    options: str = ""
 
     def __post_init__(self) -> None:
-        if self.algorithm not in _ALGORITHMS:
+        if not isinstance(self.algorithm, str) or not (
+                self.algorithm in _ALGORITHMS or is_reference(self.algorithm)):
             raise ValueError(
                 f"`algorithm` must be one of {_ALGORITHMS} (QLSD#/QLSD*/QLSD++, D-ELF, P-ELF or "
-                f"B-ELF in the Flower deployment), got {self.algorithm!r}."
+                f"B-ELF in the Flower deployment) or an import reference "
+                f"'package.module:factory' of a FederatedAlgorithm, got {self.algorithm!r}."
             )
-        if self.algorithm == "qlsd":  # any spelling the kernels accept, stored canonical
-            self.variant = canonical_variant("qlsd", self.variant)
         self.num_clients = check_int("num_clients", self.num_clients, minimum=1)
         self.num_samples = check_int("num_samples", self.num_samples, minimum=1)
         self.step_size = check_step_size(self.step_size)
@@ -296,54 +292,28 @@ class FlowerSpec:
             raise ValueError(f"`init` must be 'uniform' or 'zeros', got {self.init!r}.")
         self.participation = check_participation(self.participation)
         warn_if_many_empty_rounds(self.participation, self.num_clients, stacklevel=4)
-        comp = get_compressor(self.compressor)
-        down = get_compressor(self.downlink)
-        alg = self.algorithm
-        if alg == "qlsd" and not comp.unbiased:
-            raise ValueError(f"QLSD needs an unbiased compressor, got {self.compressor}.")
-        if alg in ("delf", "belf") and comp.alpha is None:
-            raise ValueError(
-                f"{alg[0].upper()}-ELF needs a contractive uplink `compressor`, got "
-                f"{self.compressor}; use top_k(k) or scaled(...)."
-            )
-        if alg == "pelf" and not comp.is_identity:
-            raise ValueError(
-                f"P-ELF sends dense gradients: `compressor` must be 'identity', got "
-                f"{self.compressor!r} (use algorithm='belf' to compress both ways)."
-            )
-        if alg in _SHADOW:
-            if down.alpha is None:
-                raise ValueError(
-                    f"{alg[0].upper()}-ELF needs a contractive `downlink` compressor, got "
-                    f"{self.downlink}; use top_k(k) or scaled(...)."
-                )
-        elif not down.is_identity:
-            raise ValueError(
-                f"`downlink`={self.downlink!r} is only used by P-ELF and B-ELF "
-                f"(algorithm={alg!r} broadcasts the dense model)."
-            )
         if self.w0 not in ("x0", "compressed"):
             raise ValueError(f"`w0` must be 'x0' or 'compressed', got {self.w0!r}.")
-        if self.w0 == "compressed" and alg not in _SHADOW:
-            raise ValueError("`w0='compressed'` (ELF eq. (3)) needs algorithm 'pelf' or 'belf'.")
-        if self.theta_star and not (alg == "qlsd" and self.variant == "*"):
-            raise ValueError("`theta_star` is only used by QLSD* (algorithm='qlsd', variant='*').")
-        if self.theta_star:
-            try:
-                parsed = json.loads(self.theta_star)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"`theta_star` must be JSON of site values: {err}") from err
-            if not isinstance(parsed, dict) or not parsed:
-                raise ValueError(
-                    "`theta_star` must be a JSON object of constrained site values, e.g. "
-                    "'{\"w\": [0.1, -0.2]}'."
-                )
         if self.theta_star_method not in _SEARCH_METHODS:
             raise ValueError(
                 f"`theta_star_method` must be one of {_SEARCH_METHODS} in the deployment (BFGS's "
                 f"line search is not distributed), got {self.theta_star_method!r}."
             )
+        try:
+            options = json.loads(self.options) if self.options else {}
+        except json.JSONDecodeError as err:
+            raise ValueError(f"`options` must be JSON of the algorithm's options: {err}") from err
+        # the algorithm value, built and validated once (its compressor rules live there)
+        alg = algorithm_from_fields(asdict(self), options)
+        fields_ = fields_of(alg.description)
+        if "variant" in fields_:  # any spelling the kernels accept, stored canonical
+            self.variant = fields_["variant"]
+        self._algorithm = alg
 
+    def federated_algorithm(self) -> FederatedAlgorithm:
+        """The :class:`~numpyro_fed.algorithms.federated.FederatedAlgorithm` this spec
+        deploys (built once, when the spec is)."""
+        return self._algorithm
 
     # -- (de)serialisation as flat scalars (Flower ConfigRecord / run_config) -------------
     def to_config(self) -> dict[str, Any]:
@@ -372,10 +342,17 @@ class FlowerSpec:
         :raises ValueError: for another kernel (naming it), a custom QLSD oracle, or
             per-client likelihood weights.
         """
-        if not isinstance(kernel, (QLSD, ELF)):
+        alg = getattr(kernel, "algorithm", None)
+        if not isinstance(alg, FederatedAlgorithm):
             raise ValueError(
-                f"No Flower deployment for {type(kernel).__name__}: supported are QLSD "
-                "(variants '#', '*' and '++') and ELF (D, P and B).")
+                f"No Flower deployment for {type(kernel).__name__}: supported are the kernels "
+                "of a FederatedAlgorithm (QLSD with variants '#', '*' and '++', ELF with D, P "
+                "and B, AlgorithmKernel).")
+        for arg, comp in (("compressor", alg.uplink), ("downlink", alg.downlink)):
+            if comp is not None:  # a custom compressor has no wire format: refused by name
+                deployable_spec(comp, arg)
+        if "error" in alg.description:
+            raise ValueError(alg.description["error"])
         pot = kernel.potential
         if not np.allclose(pot.likelihood_weight, pot.likelihood_weight[0]):
             raise ValueError("The Flower deployment needs one likelihood weight for all clients.")
@@ -384,31 +361,11 @@ class FlowerSpec:
             step_size=kernel.step_size, num_samples=num_samples,
             batch_size=kernel.batch_size or 0, prior=pot.prior_mode,
             likelihood_weight=float(pot.likelihood_weight[0]), seed=seed,
-            participation=getattr(kernel, "participation", 1.0),
+            participation=alg.participation,
         )
-        if isinstance(kernel, QLSD):
-            if kernel._custom_oracle is not None:
-                raise ValueError("A custom QLSD `oracle` cannot be deployed (it is not data).")
-            star: dict[str, Any] = {}
-            if kernel.variant == "*":
-                if kernel._theta_star_user is not None:
-                    star["theta_star"] = _theta_star_json(kernel._theta_star_user)
-                opts = dict(kernel.theta_star_kwargs)
-                star.update(theta_star_method=opts.get("method", "bb"),
-                            theta_star_maxiter=int(opts.get("maxiter", 2000)),
-                            theta_star_gtol=float(opts.get("gtol", 1e-5)),
-                            theta_star_lr=float(opts.get("learning_rate", 1e-2)))
-            common.update(star)
-            common.update(kwargs)
-            return cls(algorithm="qlsd", variant=kernel.variant, compressor=kernel.compressor,
-                       memory_rate=kernel.memory_rate, refresh_every=kernel.refresh_every,
-                       **common)
-        common.update(kwargs)  # an ELF kernel
-        info = variant_info("elf", kernel.variant)
-        if not info.compress_down:
-            return cls(algorithm=info.algorithm, compressor=kernel.uplink, **common)
-        return cls(algorithm=info.algorithm, compressor=kernel.uplink,
-                   downlink=kernel.downlink, w0=kernel.w0, **common)
+        common.update(fields_of(alg.description))
+        common.update(kwargs)
+        return cls(**common)
 
 
 # ============================================================================ client
@@ -438,6 +395,8 @@ class ClientWorker:
         self._potential: FederatedPotential | None = None
         self._codec: WireCodec | None = None
         self._down: WireCodec | None = None
+        self._alg: FederatedAlgorithm | None = None
+        self._template: Any = None
 
     def schema_error(self) -> str | None:
         """Why this client's rows cannot be used (no keys, a scalar, keys with different
@@ -512,8 +471,12 @@ class ClientWorker:
         if self._problem is None or self._problem_key != key:
             self._problem = self.make_problem(spec, prior_weight, max_size)
             d = self._problem.dim
-            self._codec = codec_for(spec.compressor, d)
-            self._down = codec_for(spec.downlink, d)
+            alg = spec.federated_algorithm()
+            self._alg = alg
+            self._codec = (dense_codec(d) if alg.uplink is None
+                           else codec_for(wire_name(alg.uplink), d))
+            self._down = None if alg.downlink is None else codec_for(wire_name(alg.downlink), d)
+            self._template = None
             self._problem_key = key
         return self._problem
 
@@ -553,7 +516,7 @@ class ClientWorker:
                 if start + j <= have:
                     continue  # already applied (the server did not see our last reply)
                 v, _ = self._down.decode(chunks[offsets[j]:offsets[j + 1]])
-                w = elf_core.shadow_update(w, jnp.asarray(v))  # the server's addition
+                w = broadcast_apply(w, jnp.asarray(v))  # the server's addition
         state["w"] = np.asarray(w, np.float32)
         state["w_round"] = int(k)
         return jnp.asarray(state["w"])
@@ -595,59 +558,65 @@ class ClientWorker:
         dense = dense_codec(d)
         state = dict(state)
         k = int(cmd["round"])
-        if phase in ("grad", "star"):  # QLSD*: search round / g* round, dense gradients
-            theta = self._dense(arrays, "theta", dense)
-            grad = np.asarray(prob.full_grad(theta), np.float32)
+        alg = self._alg
+        setup_names = {r.name: r for r in alg.setup}
+        if phase == "grad" or phase in setup_names:  # setup rounds: dense gradients
+            rnd = setup_names.get(phase)
+            if rnd is not None and rnd.point == "start" and alg.keeps_view and (
+                    alg.downlink is not None):  # w_0 = x_0 (dense) or 0 + Q^P(x_0 - 0)
+                state.update(w=np.zeros(d, np.float32), w_round=-2)
+                point = self._shadow_update(cmd, arrays, state, -1, dense)
+            else:
+                point = self._dense(arrays, "theta", dense)
+            grad = np.asarray(prob.full_grad(point), np.float32)
             if not np.all(np.isfinite(grad)):
                 return _nonfinite_reply(phase, k), np.zeros(0, np.uint8), state
             payload, bits, dec = dense.compress(None, grad)
-            if phase == "star":
-                state.update(theta_star=np.asarray(theta, np.float32), grad_star=dec)
+            if rnd is not None:  # kept: the setup's results, constants of the run
+                state.update({f"setup.{phase}.point": np.asarray(point, np.float32),
+                              f"setup.{phase}.grads": dec})
             return {"phase": phase, "round": k, "bits": bits}, payload, state
-        if phase == "init":  # ELF: dense g_i = grad U_i(w_0), applied at once (retried if lost)
-            if spec.algorithm in _SHADOW:  # w_0 = x_0 (dense) or 0 + Q^P(x_0 - 0)
-                state.update(w=np.zeros(d, np.float32), w_round=-2)
-                w = self._shadow_update(cmd, arrays, state, -1, dense)
-            else:
-                w = self._dense(arrays, "theta", dense)
-            g = np.asarray(prob.full_grad(w), np.float32)
-            if not np.all(np.isfinite(g)):
-                return _nonfinite_reply(phase, k), np.zeros(0, np.uint8), state
-            payload, bits, g_dec = dense.compress(None, g)
-            state.update(g=g_dec, pending=np.zeros(0, np.float32), pending_round=-10)
-            return {"phase": "init", "round": k, "bits": bits}, payload, state
         if phase != "step":
             raise ValueError(f"unknown phase {phase!r}")
         b = spec.num_clients
+        setup = {}
+        for r in alg.setup:
+            if f"setup.{r.name}.point" not in state:
+                raise ValueError(f"{alg.name} step before its {r.label}: the client lost its "
+                                 "state")
+            setup[r.name] = SetupResult(jnp.asarray(state[f"setup.{r.name}.point"]),
+                                        jnp.asarray(state[f"setup.{r.name}.grads"]))
+        # the model this client evaluates at: the dense broadcast or its EF21-P view
+        if alg.downlink is not None:
+            view = self._shadow_update(cmd, arrays, state, k, dense)
+        else:
+            view = self._dense(arrays, "theta", dense)
+        # the algorithm's client state, by field name (initialised at the first step)
+        if self._template is None:
+            self._template = jax.eval_shape(lambda v: alg.init_client(prob, v, setup), view)
+        if int(state.get("initialised", 0)):
+            cs = state_from_arrays(self._template, state, prefix="")
+        else:
+            cs = alg.init_client(prob, view, setup)
         # commit the previous message if the server applied it
         pending = state.get("pending")
         if pending is not None and pending.size and int(state.get("pending_round", -10)) == int(
             cmd["ack"]
         ):
-            if spec.algorithm == "qlsd":
-                state["eta"] = np.asarray(qlsd_core.client_commit(
-                    jnp.asarray(state["eta"]), jnp.asarray(pending), spec.memory_rate))
-            elif spec.algorithm in ("delf", "belf"):
-                state["g"] = np.asarray(elf_core.client_commit(
-                    jnp.asarray(state["g"]), jnp.asarray(pending), True))
+            cs = alg.commit(cs, jnp.asarray(pending), None)
         state["pending"] = np.zeros(0, np.float32)
         state["pending_round"] = -10
+        if alg.refresh_every is not None:  # refreshed when the server says so, or caught up
+            if bool(cmd.get("refresh", False)) or "refresh_point" in arrays:
+                point = view if bool(cmd.get("refresh", False)) else self._dense(
+                    arrays, "refresh_point", dense)
+                cs = alg.refresh(prob, point, cs)
         k_alg = random.wrap_key_data(jnp.asarray(arrays["key"], jnp.uint32))
-        n = spec.batch_size or None
-        if spec.algorithm == "qlsd":
-            theta = self._dense(arrays, "theta", dense)
-            h, kc = self._qlsd_message(spec, prob, cmd, arrays, state, theta, k_alg, k, n, dense)
-        else:
-            k_batch, _, k_up = random.split(k_alg, 3)
-            if spec.algorithm == "delf":
-                model = self._dense(arrays, "theta", dense)
-            else:
-                model = self._shadow_update(cmd, arrays, state, k, dense)
-            h = prob.oracle(k_batch, model, n)
-            # EF21 (D, B): compress the change of the estimator; P: the dense gradient
-            h = elf_core.client_message(h, jnp.asarray(state.get("g", ())),
-                                        spec.algorithm != "pelf")
-            kc = client_key(k_up, self.index, b)
+        keys = alg.round_keys(k_alg)
+        h = alg.client_step(prob, keys, view, cs, setup)
+        kc = client_key(keys.uplink, self.index, b)
+        state.update(state_to_arrays(cs, prefix=""))
+        state["initialised"] = 1
         # a non-finite message (the chain diverged; in process the next x is not finite):
         # say so and send nothing, the server stops with a DivergenceError
         if not bool(jnp.all(jnp.isfinite(h))):
@@ -655,48 +624,16 @@ class ClientWorker:
         try:
             payload, bits, dec = self._codec.compress(kc, h)
         except (ValueError, OverflowError):
-            v_hat, _ = get_compressor(spec.compressor)(kc, h)
+            comp = alg.uplink
+            v_hat = h if comp is None else comp(kc, h)[0]
             if bool(jnp.all(jnp.isfinite(v_hat))):
                 raise
             return _nonfinite_reply(phase, k), np.zeros(0, np.uint8), state
         if not np.all(np.isfinite(dec)):
             return _nonfinite_reply(phase, k), np.zeros(0, np.uint8), state
-        if spec.algorithm != "pelf":
-            state["pending"] = dec
-            state["pending_round"] = k
+        state["pending"] = dec
+        state["pending_round"] = k
         return {"phase": "step", "round": k, "bits": int(bits)}, payload, state
-
-    def _qlsd_message(self, spec, prob, cmd, arrays, state, theta, k_alg, k, n, dense):
-        """QLSD#/*/++: the client half of :mod:`numpyro_fed.algorithms.qlsd` on this client's
-        rows -- the variant's :class:`~numpyro_fed.algorithms.estimators.GradientEstimator`
-        (QLSD++'s control point refreshed when the server says so, or caught up with the
-        :math:`\\zeta` it sends a client that missed a refresh), minus the memory
-        :math:`\\eta_i` -- and the compression key (QLSD Alg. 1-2)."""
-        b, d = spec.num_clients, prob.dim
-        k_batch, k_comp = random.split(k_alg)
-        if spec.variant == "*" and "theta_star" not in state:
-            raise ValueError("QLSD* step before the theta* round: the client lost its state")
-        # this client's own grad U_i(theta*); the server adds g* = sum_i grad U_i(theta*)
-        est = estimators.for_variant(
-            spec.variant, n, refresh_every=spec.refresh_every,
-            theta_star=jnp.asarray(state["theta_star"]) if "theta_star" in state else None,
-            grad_star=jnp.asarray(state["grad_star"]) if "grad_star" in state else None)
-        est_state = ()
-        if est.refresh_every is not None:  # QLSD++ with minibatches: the control point
-            if bool(cmd["refresh"]) or "zeta" in arrays:
-                point = theta if bool(cmd["refresh"]) else self._dense(arrays, "zeta", dense)
-                new = est.refresh(prob, point, estimators.SVRGState(point, point, 0))
-                state["zeta"] = np.asarray(new.zeta, np.float32)
-                state["grad_zeta"] = np.asarray(new.grad_zeta, np.float32)
-                state["zeta_round"] = k if bool(cmd["refresh"]) else int(cmd["zeta_round"])
-            est_state = estimators.SVRGState(jnp.asarray(state["zeta"]),
-                                             jnp.asarray(state["grad_zeta"]), 0)
-        h = est.estimate(prob, k_batch, theta, est_state)
-        eta = state.get("eta")
-        if eta is None or eta.size != d:
-            eta = state["eta"] = np.zeros(d, np.float32)
-        h = qlsd_core.client_message(h, jnp.asarray(eta), spec.memory_rate)
-        return h, client_key(k_comp, self.index, b)
 
 
 def probes(potential: FederatedPotential, likelihood_weight: Any,
@@ -1061,7 +998,7 @@ class ServerCoordinator:
         :math:`x_{k+2}`."""
         spec = self.spec
         if phase == "step":
-            it = k + 1 if spec.algorithm == "qlsd" else k + 2
+            it = k + 2 if spec.federated_algorithm().moves_first else k + 1
             err = DivergenceError(divergence_message(
                 spec, it, f"(client {i}'s message of round {k} is not finite.)"))
             err.iteration = it
@@ -1122,70 +1059,69 @@ class ServerCoordinator:
         sb["rounds"] += 1
         return np.stack([got[i] for i in range(b)])
 
-    def _init_elf(self, key: jax.Array, x: jax.Array, dense: WireCodec,
-                  down: WireCodec | None) -> tuple[jax.Array, jax.Array]:
-        """ELF's initial round (Alg. 1-3): :math:`w_0` to every client -- dense :math:`x_0`, or
-        :math:`\\mathcal{Q}^P(x_0)` (eq. (3), key ``fold_in(key, 2)`` as in process) -- and
-        dense :math:`g_i = \\nabla U_i(w_0)` back. Return :math:`w_0` and the ``(b, d)``
-        gradients."""
-        shadow = self.spec.algorithm in _SHADOW
-        cmd: dict[str, Any] = {}
-        if shadow and self.spec.w0 == "compressed":
-            zeros = jnp.zeros_like(x)
-            payload, bits, dec = down.compress(random.fold_in(key, 2),
-                                               elf_core.downlink_message(x, zeros))
-            w = elf_core.shadow_update(zeros, jnp.asarray(dec))
-            arrays = {"down": payload, "down_len": np.asarray([payload.size], np.int32)}
-            cmd["w_from"] = -1
-            declared = int(bits)
-        else:
-            w = x
-            arrays = {"w" if shadow else "theta": dense.compress(None, x)[0]}
-            declared = 32 * self.potential.dim
-        grads = self._dense_round("init", -1, arrays, declared,
-                                  what=f"{self.spec.algorithm.upper()} init", **cmd)
-        self.init_bits = (self.setup_bits["up_declared"], self.setup_bits["down_declared"])
-        return w, jnp.asarray(grads)
-
-    def _theta_star(self, key: jax.Array, dense: WireCodec) -> jax.Array:
-        """QLSD*: :math:`\\theta^\\star` (given, or the federated search) and the round that
-        collects :math:`\\nabla U_i(\\theta^\\star)`; return :math:`g^\\star`."""
-        spec, pot = self.spec, self.potential
-        if spec.theta_star:
-            value = json.loads(spec.theta_star)
-            if list(value) == [""]:
-                if len(pot.latent_names) != 1:
-                    raise ValueError(
-                        "`theta_star` must name the model's sites "
-                        f"{list(pot.latent_names)}; a bare array is accepted only for one site."
-                    )
-                value = {pot.latent_names[0]: value[""]}
-            theta = check_theta_star(pot, {k: np.asarray(v) for k, v in value.items()})
-            theta = jnp.asarray(theta, pot.dtype)
-            search = ThetaStarSearch("user", 0, 0, 0, float("nan"), True)
-        else:
-            if spec.init == "zeros":
-                x0 = jnp.zeros(pot.dim, pot.dtype)
+    def _setup_rounds(self, key: jax.Array, x: jax.Array, dense: WireCodec,
+                      down: WireCodec | None) -> tuple[dict[str, SetupResult], jax.Array]:
+        """The algorithm's setup rounds (:class:`~numpyro_fed.algorithms.federated.SetupRound`):
+        a ``"search"`` round's point (given, or the federated search) or the clients' initial
+        view (``"start"``: dense :math:`x_0`, or :math:`\\mathcal{Q}^P(x_0)` with the key
+        :func:`~numpyro_fed.algorithms.federated.setup_key` as in process) to every client, and
+        every client's dense gradient there back. Return the results and the initial view."""
+        alg, pot = self.alg, self.potential
+        setup: dict[str, SetupResult] = {}
+        view = x
+        for r in alg.setup:
+            if r.point == "search":
+                theta = self._search_point(key, dense)
+                payload = dense.compress(None, theta)[0]
+                grads = jnp.asarray(self._dense_round(r.name, -1, {"theta": payload},
+                                                      32 * pot.dim, what=r.label))
+                _, total, gnorm, scale = centring_at(pot, theta, grads=grads)
+                msg = centring_warning(alg.name, gnorm, scale)
+                if msg is not None:
+                    log.warning("%s", msg)
+                self.theta_star, self.g_star = theta, total
+                self.theta_star_search = self.theta_star_search._replace(grad_norm=gnorm)
+                setup[r.name] = SetupResult(theta, grads, total)
+                continue
+            cmd: dict[str, Any] = {}
+            if alg.downlink is not None and alg.compressed_start:
+                zeros = jnp.zeros_like(x)
+                payload, bits, dec = down.compress(setup_key(key), broadcast_message(x, zeros))
+                view = broadcast_apply(zeros, jnp.asarray(dec))
+                arrays = {"down": payload, "down_len": np.asarray([payload.size], np.int32)}
+                cmd["w_from"] = -1
+                declared = int(bits)
             else:
-                x0 = pot.init_params(key, fold_in=11)
-            theta, search = self._search_theta_star(jnp.asarray(x0, pot.dtype), dense)
-        payload = dense.compress(None, theta)[0]
-        grads = jnp.asarray(self._dense_round("star", -1, {"theta": payload}, 32 * pot.dim,
-                                              what="QLSD* g* round"))
-        _, g_star, gnorm, scale = centring_at(pot, theta, grads=grads)
-        if gnorm > 1e-2 * max(1.0, scale):
-            log.warning("QLSD*: ||grad U(theta*)|| = %.3g is large (clients' gradients at theta* "
-                        "have norm %.3g); the chain stays unbiased since g* is added on the "
-                        "server", gnorm, scale)
-        self.theta_star, self.g_star = theta, g_star
-        self.theta_star_search = search._replace(grad_norm=gnorm)
-        return g_star
+                view = x
+                arrays = {"w" if alg.downlink is not None else "theta": dense.compress(None, x)[0]}
+                declared = 32 * pot.dim
+            grads = jnp.asarray(self._dense_round(r.name, -1, arrays, declared, what=r.label,
+                                                  **cmd))
+            setup[r.name] = SetupResult(view, grads, jnp.sum(grads, 0))
+        self.init_bits = (self.setup_bits["up_declared"], self.setup_bits["down_declared"])
+        return setup, view
+
+    def _search_point(self, key: jax.Array, dense: WireCodec) -> jax.Array:
+        """A ``"search"`` round's point: the given constrained values (unconstrained by the
+        server) or the federated search from ``init_params(key, fold_in=SEARCH_SALT)``."""
+        plan, pot = self.alg.search, self.potential
+        if plan.value is not None:
+            theta = jnp.asarray(user_point(pot, plan.value), pot.dtype)
+            self.theta_star_search = ThetaStarSearch("user", 0, 0, 0, float("nan"), True)
+            return theta
+        if self.spec.init == "zeros":
+            x0 = jnp.zeros(pot.dim, pot.dtype)
+        else:
+            x0 = pot.init_params(key, fold_in=SEARCH_SALT)
+        theta, self.theta_star_search = self._search_theta_star(jnp.asarray(x0, pot.dtype),
+                                                                dense)
+        return theta
 
     def _search_theta_star(self, x0: jax.Array, dense: WireCodec) -> tuple[jax.Array, Any]:
         """:func:`~numpyro_fed.kernels.qlsd.find_theta_star` (``"bb"`` or ``"adam"``), one
         round per gradient: the same iteration, stopping rule and bit count as in process,
         with :math:`\\sum_i \\nabla U_i` summed over the clients' dense replies."""
-        spec, pot = self.spec, self.potential
+        spec, pot, plan = self.spec, self.potential, self.alg.search
         b, d = spec.num_clients, pot.dim
         total = jax.jit(lambda stack, x: jnp.sum(stack, 0) + pot.server_grad(x))
         rounds = 0
@@ -1193,23 +1129,22 @@ class ServerCoordinator:
         def grad_u(x):
             nonlocal rounds
             stack = self._dense_round("grad", rounds, {"theta": dense.compress(None, x)[0]},
-                                      32 * d, what="QLSD* theta* search")
+                                      32 * d, what=f"{self.alg.name} search")
             rounds += 1
             return total(jnp.asarray(stack), x)
 
-        step = jax.jit(lambda st: search_alg.update(spec.theta_star_method, st,
-                                                    spec.theta_star_lr))
+        step = jax.jit(lambda st: search_alg.update(plan.method, st, plan.learning_rate))
         st = search_alg.init(x0, grad_u(x0))
         g_start = float(jnp.linalg.norm(st.g))
-        tol = search_alg.tolerance(spec.theta_star_gtol, jnp.linalg.norm(st.g))
-        while bool(search_alg.keep_going(st, tol, spec.theta_star_maxiter)):
+        tol = search_alg.tolerance(plan.gtol, jnp.linalg.norm(st.g))
+        while bool(search_alg.keep_going(st, tol, plan.maxiter)):
             st = step(st)
             st = st._replace(g=grad_u(st.x))
         g_final = float(jnp.linalg.norm(st.g))
         info = ThetaStarSearch(
-            method=spec.theta_star_method, rounds=rounds, bits_up=rounds * b * 32 * d,
+            method=plan.method, rounds=rounds, bits_up=rounds * b * 32 * d,
             bits_down=rounds * b * 32 * d, grad_norm=g_final,
-            converged=search_alg.converged(g_final, g_start, spec.theta_star_gtol),
+            converged=search_alg.converged(g_final, g_start, plan.gtol),
         )
         return st.x, info
 
@@ -1254,13 +1189,13 @@ class ServerCoordinator:
         spec = self.spec
         self._spec_json = json.dumps(spec.to_config())
         self._discover()
+        alg = self.alg = spec.federated_algorithm()
         pot, b = self.potential, spec.num_clients
         d = pot.dim
         dense = dense_codec(d)
-        codec = codec_for(spec.compressor, d)
-        alg = spec.algorithm
-        shadow = alg in _SHADOW
-        down = codec_for(spec.downlink, d) if shadow else None
+        codec = dense if alg.uplink is None else codec_for(wire_name(alg.uplink), d)
+        shadow = alg.downlink is not None
+        down = codec_for(wire_name(alg.downlink), d) if shadow else None
         key = random.key(spec.seed)
         if self.init_params is not None:
             ip = self.init_params
@@ -1268,32 +1203,20 @@ class ServerCoordinator:
         elif spec.init == "zeros":
             x = jnp.zeros(d, pot.dtype)
         else:
-            x = pot.init_params(key, fold_in=1)
+            x = pot.init_params(key, fold_in=X0_SALT)
         x = jnp.asarray(x, jnp.float32)
-        gamma = spec.step_size
-        # the server halves of numpyro_fed.algorithms.{qlsd,elf}, compiled once per run
-        qlsd_move = jax.jit(lambda k, x, g, c: qlsd_core.server_move(
-            k, x, g, c, pot.server_grad(x), gamma))
-        elf_move = jax.jit(lambda k, x, g: elf_core.server_move(
-            k, x, g, pot.server_grad(x), gamma))
-        qlsd_aggregate = jax.jit(lambda msgs, eta, mask: qlsd_core.server_aggregate(
-            msgs, eta, spec.memory_rate, mask))
-        elf_aggregate = jax.jit(lambda g, msgs, table, mask: elf_core.server_aggregate(
-            g, msgs, alg != "pelf", table, mask))
+        setup, w = self._setup_rounds(key, x, dense, down)
+        server = alg.init_server(x, setup, pot)
+        # the server half of the algorithm, compiled once per run
+        broadcast = jax.jit(lambda k, x, st: alg.server_broadcast(k, x, st, pot, setup))
+        server_step = jax.jit(lambda k, x, p, st, msgs, mask: alg.server_step(
+            k, x, p, st, msgs, mask, pot, setup))
         rng_key = key
         applied = np.full(b, -1, np.int64)  # last round whose message was applied, per client
-        uses_zeta = alg == "qlsd" and spec.variant == "++" and spec.batch_size > 0
-        zeta, zeta_round = x, -1
-        client_zeta = np.full(b, -2, np.int64)
-        eta = jnp.zeros(d, jnp.float32)
-        offset = jnp.zeros(d, jnp.float32)
-        g = w = table = None
-        if alg == "qlsd" and spec.variant == "*":
-            offset = self._theta_star(key, dense)
-        if alg != "qlsd":
-            w, table = self._init_elf(key, x, dense, down)
-            g = jnp.sum(table, 0)
-        known = np.full(b, -1, np.int64)  # P-/B-ELF: last round each client holds w for
+        refreshes = alg.refresh_every is not None
+        refresh_point, refresh_round = x, -1
+        client_refresh = np.full(b, -2, np.int64)
+        known = np.full(b, -1, np.int64)  # EF21-P: last round each client holds w for
         hist: dict[int, tuple[np.ndarray, int]] = {}
         draws = np.zeros((spec.num_samples, d), np.float32)
         monitor = ParticipationMonitor(b, spec.participation, spec.num_samples,
@@ -1301,20 +1224,22 @@ class ServerCoordinator:
         if shadow:
             self.shadow_models = np.zeros((spec.num_samples, d), np.float32)
         for k in range(spec.num_samples):
-            rng_key, k_noise, k_alg = random.split(rng_key, 3)
-            if spec.participation < 1.0:
-                asked = np.asarray(participation_mask(k_alg, spec.participation, b))
+            rng_key, k_noise, k_alg = step_keys(rng_key)
+            keys = alg.round_keys(k_alg)
+            if alg.participation < 1.0:
+                asked = np.asarray(participation_mask(keys.participation, alg.participation, b))
             else:
                 asked = np.ones(b, bool)
             asked_ids = np.flatnonzero(asked).tolist()
             key_data = np.asarray(random.key_data(k_alg), np.uint32)
             requests, down_declared, down_payload = {}, 0, 0
+            point = broadcast(k_noise, x, server)
+            if alg.moves_first:
+                self._check_finite(point, k + 1)
             if shadow:
-                x_send = elf_move(k_noise, x, g)
-                self._check_finite(x_send, k + 1)
-                k_down = random.split(k_alg, 3)[1]
-                payload, bits, dec = down.compress(k_down, elf_core.downlink_message(x_send, w))
-                w = elf_core.shadow_update(w, jnp.asarray(dec))
+                payload, bits, dec = down.compress(keys.downlink, broadcast_message(point, w))
+                w = broadcast_apply(w, jnp.asarray(dec))
+                view = w
                 hist[k] = (payload, int(bits))
                 cache: list[np.ndarray] = []
 
@@ -1322,38 +1247,33 @@ class ServerCoordinator:
                     if not cache:
                         cache.append(dense.compress(None, w)[0])
                     return cache[0]
-
-                for i in asked_ids:
-                    extra, arrays, declared, pay = self._shadow_request(i, k, known, hist, w_dense)
-                    down_declared += declared
-                    down_payload += pay
-                    requests[self.node_of[i]] = (
-                        self._cmd("step", k, i, ack=int(applied[i]), **extra),
-                        {**arrays, "key": key_data},
-                    )
             else:
-                if alg == "delf":
-                    x_send = elf_move(k_noise, x, g)
-                    self._check_finite(x_send, k + 1)
+                view = point
+                theta_payload = dense.compress(None, point)[0]
+            if refreshes and k % alg.refresh_every == 0:
+                refresh_point, refresh_round = view, k
+            for i in asked_ids:
+                if shadow:
+                    extra, arrays, declared, pay = self._shadow_request(i, k, known, hist,
+                                                                        w_dense)
+                    arrays = {**arrays, "key": key_data}
                 else:
-                    x_send = x
-                    if uses_zeta and k % spec.refresh_every == 0:
-                        zeta, zeta_round = x, k
-                theta_payload = dense.compress(None, x_send)[0]
-                for i in asked_ids:
+                    extra = {}
                     arrays = {"theta": theta_payload, "key": key_data}
-                    refresh = uses_zeta and zeta_round == k
-                    down_declared += 32 * d
-                    down_payload += 8 * theta_payload.size
-                    if uses_zeta and not refresh and client_zeta[i] != zeta_round:
-                        arrays["zeta"] = dense.compress(None, zeta)[0]
-                        down_declared += 32 * d
-                        down_payload += 8 * arrays["zeta"].size
-                    requests[self.node_of[i]] = (
-                        self._cmd("step", k, i, ack=int(applied[i]), refresh=bool(refresh),
-                                  zeta_round=int(zeta_round)),
-                        arrays,
-                    )
+                    declared, pay = 32 * d, 8 * theta_payload.size
+                refresh = refreshes and refresh_round == k
+                if refreshes and not refresh and client_refresh[i] != refresh_round:
+                    # a client that missed the last refresh gets its point (dense)
+                    arrays["refresh_point"] = dense.compress(None, refresh_point)[0]
+                    declared += 32 * d
+                    pay += 8 * arrays["refresh_point"].size
+                down_declared += declared
+                down_payload += pay
+                requests[self.node_of[i]] = (
+                    self._cmd("step", k, i, ack=int(applied[i]), refresh=bool(refresh),
+                              **extra),
+                    arrays,
+                )
             replies, sent = self.transport.exchange(requests, "step", k, spec.round_timeout)
             got = self._receive(replies, asked_ids, "step", k, codec)
             present = np.zeros(b, bool)
@@ -1366,16 +1286,11 @@ class ServerCoordinator:
             msgs = np.zeros((b, d), np.float32)
             for i in order:
                 msgs[i] = got[i][0]
-            full = spec.participation == 1.0 and bool(present.all())
+            full = alg.participation == 1.0 and bool(present.all())
             mask = None if full else jnp.asarray(present)
-            if alg == "qlsd":
-                gk, eta = qlsd_aggregate(jnp.asarray(msgs), eta, mask)
-                x = qlsd_move(k_noise, x, gk, offset)
-            else:  # D-/B-ELF: g += the applied EF21 corrections; P-ELF: the clients' last g_i
-                g, table = elf_aggregate(g, jnp.asarray(msgs), table, mask)
-                x = x_send
-            if uses_zeta:
-                client_zeta[present] = zeta_round
+            x, server = server_step(k_noise, x, point, server, jnp.asarray(msgs), mask)
+            if refreshes:
+                client_refresh[present] = refresh_round
             applied[present] = k
             if shadow:
                 known[present] = k
@@ -1395,11 +1310,10 @@ class ServerCoordinator:
             lg.bits_down_wire.append(int(8 * sum(sent.values())))
         self.draws = draws
         self.applied = applied
+        # the server state by field name, the view of an EF21-P broadcast and who holds it
         self.server_state = {
-            "eta": np.asarray(eta), "g": None if g is None else np.asarray(g),
-            "w": None if w is None or not shadow else np.asarray(w),
-            "g_local": np.asarray(table) if alg == "pelf" else None,
-            "known": known if shadow else None,
+            **{k: np.asarray(v) for k, v in state_to_arrays(server, prefix="").items()},
+            "w": np.asarray(w) if shadow else None, "known": known if shadow else None,
         }
         return draws
 
@@ -1414,3 +1328,8 @@ class ServerCoordinator:
             "mean_participants": float(np.mean([p.sum() for p in lg.participants]))
             if lg.participants else math.nan} | {
             f"setup_{k}": float(v) for k, v in self.setup_bits.items()}
+
+
+def wire_name(compressor: Compressor) -> str:
+    """The canonical spec text of a compressor of the algorithm (its wire format's name)."""
+    return deployable_spec(compressor, "compressor")

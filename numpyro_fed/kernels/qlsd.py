@@ -50,6 +50,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax.numpy as jnp
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed.algorithms import estimators
@@ -131,6 +132,9 @@ class QLSDExtra(AlgorithmState):
 
     @property
     def refreshes(self):
+        if not isinstance(self.clients.estimator, estimators.SVRGState):
+            # no control point: never refreshed (zeros over the chains' axes)
+            return jnp.zeros(jnp.shape(self.server.eta)[:-1], jnp.int32)
         return self._svrg("refreshes")
 
 
