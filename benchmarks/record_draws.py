@@ -21,10 +21,9 @@ import numpy as np
 
 sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests")]
 
-from jax import random  # noqa: E402
+import test_kernel_contract as tkc  # noqa: E402
 from numpyro.infer import MCMC  # noqa: E402
 
-import test_kernel_contract as tkc  # noqa: E402
 from numpyro_fed import ELF, QLSD, FederatedLangevin, compressors  # noqa: E402
 
 M, PART, Q4, K1 = tkc.M, tkc.PART, tkc.Q4, tkc.K1

@@ -253,6 +253,16 @@ class ELF(AlgorithmKernel):
             self._alg_key = self._algorithm_key()
         return self._algorithm
 
+    @property
+    def _compress_up(self) -> bool:
+        """Whether the client messages are compressed (D-, B-ELF)."""
+        return self.algorithm.uplink is not None
+
+    @property
+    def _compress_down(self) -> bool:
+        """Whether the model broadcast is compressed (P-, B-ELF)."""
+        return self.algorithm.downlink is not None
+
     def __repr__(self) -> str:
         return (
             f"{self.name}(step_size={self._step_size:.3g}, uplink={self.uplink.name}, "
