@@ -400,7 +400,10 @@ def run_processes(spec: FlowerSpec, clients: Sequence[Mapping[str, Any]],
             stale.unlink()
     app = write_app(work / "app", spec, output, poll_interval=poll_interval)
     link_port, *node_ports = _free_ports(1 + len(clients))
-    penv = {**os.environ, "HOME": str(home), "FLWR_HOME": str(home),
+    # the processes import the numpyro_fed this process runs (not another installed copy)
+    root = str(Path(__file__).resolve().parents[2])
+    pypath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    penv = {**os.environ, "HOME": str(home), "FLWR_HOME": str(home), "PYTHONPATH": pypath,
             "FLWR_TELEMETRY_ENABLED": "0", "JAX_PLATFORMS": "cpu",
             "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.05",
             "JAX_COMPILATION_CACHE_DIR": str(work / "jax_cache"),
