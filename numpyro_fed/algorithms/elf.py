@@ -24,14 +24,23 @@ absent clients), in process (:class:`~numpyro_fed.kernels.elf.ELF`) and deployed
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import random
 
+from numpyro_fed._validation import check_int, check_positive_float
+from numpyro_fed.algorithms import estimators
+from numpyro_fed.algorithms.federated import FederatedAlgorithm, RoundKeys, SetupRound
 from numpyro_fed.algorithms.langevin import langevin_move
+from numpyro_fed.algorithms.participation import check_participation
+from numpyro_fed.algorithms.variants import canonical_variant, variant_info, variant_of_algorithm
+from numpyro_fed.compressors import Compressor, get_compressor
 
-__all__ = ["ELFServerState", "server_move", "downlink_message", "shadow_update",
+__all__ = ["ELFServerState", "ELFClientState", "ELFAlgServerState", "algorithm",
+           "check_contractive", "server_move", "downlink_message", "shadow_update",
            "client_message", "client_commit", "server_aggregate"]
 
 
@@ -93,3 +102,178 @@ def server_aggregate(g: jax.Array, decoded: jax.Array, error_feedback: bool,
         return jnp.sum(decoded, axis=0), decoded
     new = jnp.where(mask[:, None], decoded, table)
     return g + jnp.sum(new - table, axis=0), new
+
+
+# ============================================================================ the algorithm
+class ELFClientState(NamedTuple):
+    """What an ELF client keeps: **g** -- its estimator :math:`g^i_k` (``(d,)``, ``(b, d)``
+    stacked): EF21's (D-, B-ELF) or the dense gradient it last sent (P-ELF)."""
+
+    g: jax.Array
+
+
+class ELFAlgServerState(NamedTuple):
+    """What the ELF server keeps: **g** -- :math:`g_k = \\sum_i g^i_k`; **table** -- P-ELF:
+    the ``(b, d)`` last dense gradients of the clients (``()`` for D-, B-ELF)."""
+
+    g: jax.Array
+    table: Any = ()
+
+
+_W0_MODES = ("x0", "compressed")
+#: ELF's setup round: the clients' dense gradients at their initial view :math:`w_0`.
+_INIT = SetupRound("init", "start", "ELF initial round")
+
+
+def check_contractive(compressor: Compressor | str | None, arg: str,
+                      who: str = "error feedback") -> Compressor:
+    """``compressor`` as a :class:`~numpyro_fed.compressors.Compressor`, checked contractive
+    (ELF Def. 2.1: ``alpha`` defined).
+
+    :raises ValueError: for an unbiased compressor that is not contractive (e.g. raw
+        ``quantize`` or ``rand_k``), suggesting ``compressors.scaled(...)``.
+    """
+    comp = get_compressor(compressor)
+    if comp.alpha is None:
+        raise ValueError(
+            f"`{arg}`={comp.name} is not a contractive compressor (ELF Def. 2.1): {who} needs "
+            f"a contractive `{arg}`. Use compressors.top_k(k), or scale an unbiased "
+            f"compressor by 1/(omega+1): compressors.scaled({comp.name})."
+        )
+    return comp
+
+
+def algorithm(
+    variant: str = "D",
+    *,
+    step_size: float,
+    uplink: Compressor | str | None = None,
+    downlink: Compressor | str | None = None,
+    w0: str = "x0",
+    batch_size: int | None = None,
+    participation: float = 1.0,
+    factory: str = "numpyro_fed.algorithms.elf:algorithm",
+) -> FederatedAlgorithm:
+    """D-, P- or B-ELF (Karagulyan & Richtárik 2023, Alg. 1-3) as a
+    :class:`~numpyro_fed.algorithms.federated.FederatedAlgorithm`, validated here once.
+
+    :param variant: ``"D"``, ``"P"``, ``"B"`` (or any spelling of the variant table).
+    :param uplink: contractive :math:`\\mathcal{Q}^D` (D, B; ``None``: identity).
+    :param downlink: contractive :math:`\\mathcal{Q}^P` (P, B; ``None``: identity).
+    :param w0: ``"x0"`` (:math:`w_0 = x_0`) or ``"compressed"`` (:math:`w_0 =
+        \\mathcal{Q}^P(x_0)`, eq. (3); P, B).
+    :raises ValueError: for a compressor of a direction the variant does not compress, a
+        compressor that is not contractive, or another ``w0``, naming the argument.
+    """
+    variant = canonical_variant("elf", variant)
+    info = variant_info("elf", variant)
+    step_size = check_positive_float("step_size", step_size)
+    participation = check_participation(participation)
+    batch_size = check_int("batch_size", batch_size, minimum=1, allow_none=True,
+                           hint=" Use None for full-batch gradients.")
+    if not info.compress_up and uplink is not None and not get_compressor(uplink).is_identity:
+        raise ValueError(
+            "P-ELF sends dense gradients on the uplink and takes no `uplink` compressor; "
+            "use variant='B' (BELF) to compress both directions."
+        )
+    if not info.compress_down and downlink is not None and not get_compressor(
+            downlink).is_identity:
+        raise ValueError(
+            "D-ELF broadcasts the dense model and takes no `downlink` compressor; "
+            "use variant='B' (BELF) to compress both directions."
+        )
+    if w0 not in _W0_MODES:
+        raise ValueError(f"`w0` must be one of {_W0_MODES}, got {w0!r}.")
+    if w0 == "compressed" and not info.compress_down:
+        raise ValueError(
+            "`w0='compressed'` (w_0 = Q^P(x_0), ELF eq. (3)) needs a downlink compressor: "
+            "use variant 'P' or 'B'."
+        )
+    up = check_contractive(uplink, "uplink", f"{info.display}'s error feedback")
+    down = check_contractive(downlink, "downlink", f"{info.display}'s error feedback")
+    ef = info.compress_up
+    dense_table = not ef
+
+    def round_keys(k_alg):
+        k_batch, k_down, k_up = random.split(k_alg, 3)
+        return RoundKeys(k_batch, k_up, k_down, k_alg)
+
+    def init_client(oracle, view, setup):
+        return ELFClientState(setup["init"].grads)
+
+    def init_server(x, setup, srv):
+        r = setup["init"]
+        return ELFAlgServerState(r.total, r.grads if dense_table else ())
+
+    def refresh(oracle, point, state):
+        return state
+
+    def client_step(oracle, keys, view, state, setup):
+        h = estimators.plain(batch_size).estimate(oracle, keys.batch, view, ())
+        return client_message(h, state.g, ef)
+
+    def commit(state, decoded, mask=None):
+        if ef:
+            applied = decoded if mask is None else jnp.where(mask[:, None], decoded, 0.0)
+            return ELFClientState(client_commit(state.g, applied, ef))
+        return ELFClientState(decoded if mask is None
+                              else jnp.where(mask[:, None], decoded, state.g))
+
+    def server_broadcast(noise_key, x, server, srv, setup):
+        return server_move(noise_key, x, server.g, srv.server_grad(x), step_size)
+
+    def server_step(noise_key, x, point, server, decoded, mask, srv, setup):
+        g, table = server_aggregate(server.g, decoded, ef, server.table, mask)
+        return point, ELFAlgServerState(g, table if dense_table else ())
+
+    options = {"variant": variant, "step_size": step_size, "batch_size": batch_size,
+               "uplink": up.spec.text if up.spec is not None else None,
+               "downlink": down.spec.text if down.spec is not None else None,
+               "w0": w0, "participation": participation}
+    description: dict[str, Any] = {"factory": factory, "options": options}
+    for arg, comp in (("uplink", up), ("downlink", down)):
+        if comp.spec is None:
+            description["error"] = (f"`{arg}`={comp.name} has no `spec`: a custom compressor "
+                                    "cannot be deployed.")
+    return FederatedAlgorithm(
+        name=info.display, description=description, step_size=step_size,
+        batch_size=batch_size, participation=participation,
+        uplink=up if info.compress_up else None, downlink=down if info.compress_down else None,
+        compressed_start=w0 == "compressed", setup=(_INIT,), search=None, moves_first=True,
+        refresh_every=None, round_keys=round_keys, init_client=init_client,
+        init_server=init_server, refresh=refresh, client_step=client_step, commit=commit,
+        server_broadcast=server_broadcast, server_step=server_step)
+
+
+def from_fields(fields: Mapping[str, Any]) -> FederatedAlgorithm:
+    """The ELF algorithm of a deployment's flat settings
+    (:class:`~numpyro_fed.flower.spec.FlowerSpec` fields: ``algorithm`` ``"delf"`` /
+    ``"pelf"`` / ``"belf"``, ``compressor`` (:math:`\\mathcal{Q}^D`; ``"identity"`` for
+    P-ELF), ``downlink``, ``w0``, ``batch_size`` (0: exact), ``step_size``,
+    ``participation``)."""
+    info = variant_of_algorithm(fields["algorithm"], "")
+    if fields.get("theta_star"):
+        raise ValueError("`theta_star` is only used by QLSD* (algorithm='qlsd', variant='*').")
+    up, down = fields.get("compressor", "identity"), fields.get("downlink", "identity")
+    if not info.compress_up and not get_compressor(up).is_identity:
+        raise ValueError(f"P-ELF sends dense gradients: `compressor` must be 'identity', got "
+                         f"{up!r} (use algorithm='belf' to compress both ways).")
+    if not info.compress_down and not get_compressor(down).is_identity:
+        raise ValueError(f"`downlink`={down!r} is only used by P-ELF and B-ELF "
+                         f"(algorithm={fields['algorithm']!r} broadcasts the dense model).")
+    return algorithm(
+        info.code, step_size=fields["step_size"], uplink=up if info.compress_up else None,
+        downlink=down if info.compress_down else None, w0=fields.get("w0", "x0"),
+        batch_size=fields.get("batch_size") or None,
+        participation=fields.get("participation", 1.0))
+
+
+def to_fields(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The deployment's flat settings of :func:`algorithm`'s ``options``: the inverse of
+    :func:`from_fields`."""
+    info = variant_info("elf", options["variant"])
+    return {"algorithm": info.algorithm,
+            "compressor": options["uplink"] if info.compress_up else "identity",
+            "downlink": options["downlink"] if info.compress_down else "identity",
+            "w0": options["w0"], "batch_size": options["batch_size"] or 0,
+            "step_size": options["step_size"], "participation": options["participation"]}

@@ -1,5 +1,14 @@
 """Federated deployment on Flower (``pip install numpyro_fed[flower]``, ``flwr>=1.20``).
 
+By role: :mod:`~numpyro_fed.flower.spec` (the settings), :mod:`~numpyro_fed.flower.client`
+and :mod:`~numpyro_fed.flower.server` (generic over a
+:class:`~numpyro_fed.algorithms.federated.FederatedAlgorithm`),
+:mod:`~numpyro_fed.flower.transport`, :mod:`~numpyro_fed.flower.catchup` (EF21-P broadcast),
+:mod:`~numpyro_fed.flower.codecs` (wire formats), :mod:`~numpyro_fed.flower.checks`,
+:mod:`~numpyro_fed.flower.apps` (Flower apps), :mod:`~numpyro_fed.flower.loopback`,
+:mod:`~numpyro_fed.flower.processes`, :mod:`~numpyro_fed.flower.security`;
+``protocol`` and ``runner`` re-export their former contents.
+
 Each client is a Flower ``ClientApp`` holding only its own data and per-client state; the
 ``ServerApp`` runs the kernel's server step (QLSD#/QLSD*/QLSD++, D-/P-/B-ELF) and returns
 the draws as ArviZ InferenceData with the bits on the wire next to the declared bits. See
@@ -7,9 +16,6 @@ the draws as ArviZ InferenceData with the bits on the wire next to the declared 
 """
 
 from numpyro_fed.flower.apps import (
-    GridTransport,
-    PollingGrid,
-    content_bytes,
     load_npz_data,
     make_client_app,
     make_server_app,
@@ -20,6 +26,7 @@ from numpyro_fed.flower.checks import (
     DeploymentError,
     ParticipationError,
 )
+from numpyro_fed.flower.client import ClientWorker
 from numpyro_fed.flower.codecs import (
     WireCodec,
     WireFormatError,
@@ -29,18 +36,13 @@ from numpyro_fed.flower.codecs import (
     deployable_spec,
     wire_codec,
 )
-from numpyro_fed.flower.protocol import ClientWorker, FlowerSpec, ServerCoordinator
-from numpyro_fed.flower.runner import (
-    FAULTS,
-    LoopbackGrid,
-    flower_executables,
-    make_node_keys,
-    make_tls_files,
-    run_loopback,
-    run_processes,
-    to_inference_data,
-    write_app,
-)
+from numpyro_fed.flower.loopback import FAULTS, LoopbackGrid, run_loopback
+from numpyro_fed.flower.processes import flower_executables, run_processes, write_app
+from numpyro_fed.flower.results import to_inference_data
+from numpyro_fed.flower.security import make_node_keys, make_tls_files
+from numpyro_fed.flower.server import ServerCoordinator
+from numpyro_fed.flower.spec import FlowerSpec
+from numpyro_fed.flower.transport import GridTransport, PollingGrid, content_bytes
 
 __all__ = [
     "FAULTS",

@@ -39,24 +39,17 @@ gradients :math:`\\nabla U_i(w_0)`) are added to the cumulative counters
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
-import jax
-import jax.numpy as jnp
-from jax import random
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed.algorithms import elf as core
-from numpyro_fed.algorithms.participation import (
-    check_participation,
-    participation_mask,
-    warn_if_many_empty_rounds,
-)
-from numpyro_fed.algorithms.variants import VARIANTS, canonical_variant, variant_info
-from numpyro_fed.bits import scale_bits
+from numpyro_fed.algorithms.elf import check_contractive
+from numpyro_fed.algorithms.federated import AlgorithmState, FederatedAlgorithm
+from numpyro_fed.algorithms.variants import VARIANTS, variant_info
 from numpyro_fed.compressors import Compressor, get_compressor, identity
 from numpyro_fed.kernels.base import check_compressor_dim
-from numpyro_fed.kernels.langevin import FederatedKernel
+from numpyro_fed.kernels.driver import AlgorithmKernel
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential
 
@@ -74,13 +67,15 @@ __all__ = [
 #: Variants of :class:`ELF` and what they compress (from the package's one variant table,
 #: :data:`numpyro_fed.algorithms.variants.VARIANTS`).
 ELF_VARIANTS = {v.code: v.description for v in VARIANTS if v.family == "elf"}
-_W0_MODES = ("x0", "compressed")
 
 
-class ELFState(NamedTuple):
+class ELFState(AlgorithmState):
     """Algorithm state of the ELF kernels (the ``extra`` field of
     :class:`~numpyro_fed.kernels.langevin.FedState`; one chain, vectorized chains add a
-    leading axis).
+    leading axis): an :class:`~numpyro_fed.algorithms.federated.AlgorithmState` whose
+    ``clients`` are :class:`~numpyro_fed.algorithms.elf.ELFClientState` (stacked), ``server``
+    an :class:`~numpyro_fed.algorithms.elf.ELFAlgServerState` and ``view`` the clients' model,
+    with the names of the paper:
 
     - **g_local** -- ``(b, d)``: the clients' gradient estimators :math:`g^i_k`. D-ELF and
       B-ELF: EF21 estimators of :math:`\\nabla U_i(x_k)` resp. :math:`\\nabla U_i(w_k)`; P-ELF:
@@ -89,37 +84,28 @@ class ELFState(NamedTuple):
       messages; error feedback keeps :math:`g_k = \\sum_i g^i_k` (up to rounding).
     - **w** -- ``(d,)``: the model the clients hold: :math:`x_k` for D-ELF, the EF21-P shadow
       iterate :math:`w_k` for P-ELF and B-ELF.
-
     - **participants** -- with ``participation < 1``: boolean ``(b,)`` mask of the clients
       whose uplink message was applied in the last round; ``()`` otherwise.
 
     Collect them with ``mcmc.run(key, extra_fields=("extra.g", "extra.g_local"))``.
     """
 
-    g_local: jax.Array
-    g: jax.Array
-    w: jax.Array
-    participants: Any = ()
+    __slots__ = ()
+
+    @property
+    def g_local(self):
+        return self.clients.g
+
+    @property
+    def g(self):
+        return self.server.g
+
+    @property
+    def w(self):
+        return self.view
 
 
-def check_contractive(compressor: Compressor | str | None, arg: str) -> Compressor:
-    """Return ``compressor`` as a :class:`~numpyro_fed.compressors.Compressor` after checking
-    that it is contractive (ELF Def. 2.1: ``alpha`` defined).
-
-    :raises ValueError: for an unbiased compressor that is not contractive (e.g. raw
-        ``quantize`` or ``rand_k``), suggesting ``compressors.scaled(...)``.
-    """
-    comp = get_compressor(compressor)
-    if comp.alpha is None:
-        raise ValueError(
-            f"`{arg}`={comp.name} is not a contractive compressor (ELF Def. 2.1), which "
-            "error feedback requires. Use compressors.top_k(k), or scale an unbiased "
-            f"compressor by 1/(omega+1): compressors.scaled({comp.name})."
-        )
-    return comp
-
-
-class ELF(FederatedKernel):
+class ELF(AlgorithmKernel):
     """Error-feedback Langevin algorithm, ``variant="D"`` (D-ELF, Alg. 1), ``"P"`` (P-ELF,
     Alg. 2) or ``"B"`` (B-ELF, Alg. 3) of Karagulyan & Richtárik 2023, as a NumPyro
     ``MCMCKernel``.
@@ -203,6 +189,7 @@ class ELF(FederatedKernel):
     """
 
     variant: str = "D"
+    extra_type = ELFState
 
     _compressor_arg = "uplink"
 
@@ -226,137 +213,61 @@ class ELF(FederatedKernel):
         participation: float = 1.0,
         track_potential: bool = False,
     ) -> None:
-        self.participation = check_participation(participation)
         variant = type(self).variant if variant is None else variant
-        variant = canonical_variant("elf", variant)
-        self.variant = variant
-        info = variant_info("elf", variant)
-        compress_up, compress_down = info.compress_up, info.compress_down
-        if not compress_up and uplink is not None:
-            raise ValueError(
-                "P-ELF sends dense gradients on the uplink and takes no `uplink` compressor; "
-                "use variant='B' (BELF) to compress both directions."
-            )
-        if not compress_down and downlink is not None:
-            raise ValueError(
-                "D-ELF broadcasts the dense model and takes no `downlink` compressor; "
-                "use variant='B' (BELF) to compress both directions."
-            )
-        if w0 not in _W0_MODES:
-            raise ValueError(f"`w0` must be one of {_W0_MODES}, got {w0!r}.")
-        if w0 == "compressed" and not compress_down:
-            raise ValueError(
-                "`w0='compressed'` (w_0 = Q^P(x_0), ELF eq. (3)) needs a downlink compressor: "
-                "use variant 'P' or 'B'."
-            )
-        up = check_contractive(uplink, "uplink")
-        down = check_contractive(downlink, "downlink")
-        super().__init__(
-            model,
-            partition,
-            step_size=step_size,
-            batch_size=batch_size,
-            compressor=up,
-            prior=prior,
-            likelihood_weight=likelihood_weight,
-            init_strategy=init_strategy,
-            check_finite=check_finite,
-            postprocess_deterministic=postprocess_deterministic,
-            potential=potential,
-            track_potential=track_potential,
+        alg = core.algorithm(variant, step_size=step_size, uplink=uplink, downlink=downlink,
+                             w0=w0, batch_size=batch_size, participation=participation)
+        self.variant = alg.description["options"]["variant"]
+        up = get_compressor(uplink)
+        down = get_compressor(downlink)
+        AlgorithmKernel.__init__(
+            self, model, partition, algorithm=alg, prior=prior,
+            likelihood_weight=likelihood_weight, init_strategy=init_strategy,
+            check_finite=check_finite, postprocess_deterministic=postprocess_deterministic,
+            potential=potential, track_potential=track_potential,
         )
-        self.uplink = up
+        # the kernel's options (public attributes: a changed one is seen by `algorithm`)
+        self.compressor = self.uplink = up
         self.downlink = down
+        check_compressor_dim(up, self.potential.dim, self.potential.dtype, "uplink")
         check_compressor_dim(down, self.potential.dim, self.potential.dtype, "downlink")
         self.w0 = w0
-        warn_if_many_empty_rounds(self.participation, partition.num_clients)
-        self._compress_up = compress_up
-        self._compress_down = compress_down
-        self.name = info.display
+        self.name = alg.name
+        self._alg_key = self._algorithm_key()
+
+    def _algorithm_key(self) -> tuple:
+        return (self.variant, self._step_size, id(self.uplink), id(self.downlink), self.w0,
+                self.batch_size, self.participation)
+
+    @property
+    def algorithm(self) -> FederatedAlgorithm:
+        """The :class:`~numpyro_fed.algorithms.federated.FederatedAlgorithm` this kernel runs,
+        :func:`numpyro_fed.algorithms.elf.algorithm` of its options (built again if an
+        option was changed since)."""
+        if self._alg_key != self._algorithm_key():
+            info = variant_info("elf", self.variant)
+            self._algorithm = core.algorithm(
+                self.variant, step_size=self._step_size,
+                uplink=self.uplink if info.compress_up else None,
+                downlink=self.downlink if info.compress_down else None, w0=self.w0,
+                batch_size=self.batch_size, participation=self.participation)
+            self._alg_key = self._algorithm_key()
+        return self._algorithm
+
+    @property
+    def _compress_up(self) -> bool:
+        """Whether the client messages are compressed (D-, B-ELF)."""
+        return self.algorithm.uplink is not None
+
+    @property
+    def _compress_down(self) -> bool:
+        """Whether the model broadcast is compressed (P-, B-ELF)."""
+        return self.algorithm.downlink is not None
 
     def __repr__(self) -> str:
         return (
             f"{self.name}(step_size={self._step_size:.3g}, uplink={self.uplink.name}, "
             f"downlink={self.downlink.name}, batch_size={self.batch_size})"
         )
-
-    # -- helpers -------------------------------------------------------------------------
-    def _dense_bits(self, data: ClientPartition) -> int:
-        """Bits of one dense float32 message of size ``d`` from every client (or to every
-        client)."""
-        return self.broadcast_bits(data)
-
-    def _broadcast_update(self, key, x_new, w, data):
-        """EF21-P downlink (server half): ``w + Q^P(x_new - w)`` and the bits received by
-        the clients."""
-        v, bits = self.downlink(key, core.downlink_message(x_new, w))
-        comp, d = self.downlink, x_new.shape[-1]
-        w_new = core.shadow_update(w, v)
-        if comp.static_bits is not None:
-            return w_new, data.num_clients * int(comp.static_bits(d))
-        bound = None if comp.max_bits is None else int(comp.max_bits(d))
-        return w_new, scale_bits(bits, data.num_clients, max_bits=bound)
-
-    # -- algorithm interface -------------------------------------------------------------
-    def init_extra(self, key, x, data):
-        """Initial rounds: broadcast :math:`w_0`, dense :math:`g^i_0 = \\nabla U_i(w_0)`."""
-        if self.w0 == "compressed":
-            w, down = self._broadcast_update(key, x, jnp.zeros_like(x), data)
-        else:
-            w, down = x, self._dense_bits(data)
-        g_local = self.potential.full_grads(w, data)
-        parts = jnp.ones((data.num_clients,), bool) if self.participation < 1.0 else ()
-        state = ELFState(g_local=g_local, g=jnp.sum(g_local, axis=0), w=w, participants=parts)
-        return state, self._dense_bits(data), down
-
-    def refresh_extra(self, extra, x, data):
-        """The target changed (e.g. SAEM's new hyperparameters): the error-feedback
-        estimators :math:`g^i` refer to the old potential, so every client re-sends its dense
-        gradient at the model it holds, :math:`g^i = \\nabla U_i(w)` (one counted uplink
-        round); :math:`w` itself is unchanged, so nothing is broadcast."""
-        g_local = self.potential.full_grads(extra.w, data)
-        new = extra._replace(g_local=g_local, g=jnp.sum(g_local, axis=0))
-        return new, self._dense_bits(data), 0
-
-    def step(self, key, noise_key, i, x, extra, data):
-        """One ELF iteration (Alg. 1, 2 or 3; order of Alg. 3): the server half
-        (:func:`~numpyro_fed.algorithms.elf.server_move`, the EF21-P broadcast), the client
-        half (:func:`~numpyro_fed.algorithms.elf.client_message`, compressed ``vmap``-ed over
-        the clients, :func:`~numpyro_fed.algorithms.elf.client_commit`) on all clients at
-        once, and the server's aggregate (:func:`~numpyro_fed.algorithms.elf.server_aggregate`).
-        With ``participation < 1`` only the clients in :math:`S_k` send; absent clients keep
-        their stale :math:`g^i`."""
-        k_batch, k_down, k_up = random.split(key, 3)
-        ef, b = self._compress_up, data.num_clients
-        x_new = core.server_move(noise_key, x, extra.g, self.potential.server_grad(x),
-                                 self._step_size)
-        # downlink: dense x_{k+1} (D) or EF21-P update of the shadow model (P, B)
-        if self._compress_down:
-            w_new, down = self._broadcast_update(k_down, x_new, extra.w, data)
-        else:
-            w_new, down = x_new, self._dense_bits(data)
-        mask = None
-        if self.participation < 1.0:
-            mask = participation_mask(key, self.participation, b)
-            if not self._compress_down:  # D-ELF: x_{k+1} goes to the participants only
-                down = self.count_clients_bits(mask, 32 * self.potential.dim)
-        # clients: local gradients at the model they hold, EF21 messages (D, B) or dense (P)
-        h = self.oracle(k_batch, w_new, data)
-        msg = core.client_message(h, extra.g_local, ef)
-        if ef:
-            decoded, up = self.compress_all(k_up, msg, self.uplink, mask=mask)
-        elif mask is None:
-            decoded, up = msg, self._dense_bits(data)
-        else:
-            decoded, up = msg, self.count_clients_bits(mask, 32 * self.potential.dim)
-        g, table = core.server_aggregate(extra.g, decoded, ef, extra.g_local, mask)
-        if ef:
-            applied = decoded if mask is None else jnp.where(mask[:, None], decoded, 0.0)
-            g_local = core.client_commit(extra.g_local, applied, ef)
-        else:
-            g_local = table  # P-ELF: the server's table is the clients' last dense gradients
-        parts = () if mask is None else mask
-        return x_new, ELFState(g_local=g_local, g=g, w=w_new, participants=parts), up, down
 
 
 class DELF(ELF):

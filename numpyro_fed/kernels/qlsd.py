@@ -48,28 +48,25 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax, random
 from numpyro.infer.initialization import init_to_uniform
 
-from numpyro_fed import _programs
-from numpyro_fed._validation import check_float, check_int
 from numpyro_fed.algorithms import estimators
 from numpyro_fed.algorithms import qlsd as core
-from numpyro_fed.algorithms import theta_star as search_alg
-from numpyro_fed.algorithms.participation import (
-    check_participation,
-    participation_mask,
-    warn_if_many_empty_rounds,
-)
+from numpyro_fed.algorithms.federated import AlgorithmState, FederatedAlgorithm
+from numpyro_fed.algorithms.participation import check_participation, warn_if_many_empty_rounds
 from numpyro_fed.algorithms.theta_star import ThetaStarSearch
 from numpyro_fed.algorithms.variants import canonical_variant, spellings
 from numpyro_fed.compressors import Compressor, identity, quantize
-from numpyro_fed.kernels.base import split_chain_keys
+from numpyro_fed.kernels.driver import (
+    AlgorithmKernel,
+    centring_at,
+    check_theta_star,
+    find_theta_star,
+    user_point,
+)
 from numpyro_fed.kernels.langevin import FederatedKernel
 from numpyro_fed.partition import ClientPartition
 
@@ -84,6 +81,7 @@ __all__ = [
     "VARIANTS",
     "find_theta_star",
     "check_theta_star",
+    "centring_at",
 ]
 
 #: Accepted spellings of the three variants (lower case), mapped to their canonical names;
@@ -91,12 +89,14 @@ __all__ = [
 VARIANTS: dict[str, str] = spellings("qlsd")
 
 
-class QLSDExtra(NamedTuple):
-    """Per-chain algorithm state of :class:`QLSD` (``FedState.extra``).
+class QLSDExtra(AlgorithmState):
+    """Per-chain algorithm state of :class:`QLSD` (``FedState.extra``): an
+    :class:`~numpyro_fed.algorithms.federated.AlgorithmState` whose ``clients`` are
+    :class:`~numpyro_fed.algorithms.qlsd.QLSDClientState` (stacked) and ``server`` a
+    :class:`~numpyro_fed.algorithms.qlsd.QLSDServerState`, with the names of the paper:
 
-    Fields not used by a configuration are empty arrays of shape ``(0,)``.
-
-    - **eta_clients** -- client memory terms :math:`\\eta^{(i)}_k`, shape ``(b, d)``.
+    - **eta_clients** -- client memory terms :math:`\\eta^{(i)}_k`, shape ``(b, d)`` (``(0,)``
+      without memory).
     - **eta** -- server memory :math:`\\eta_k = \\sum_i \\eta^{(i)}_k`, shape ``(d,)``.
     - **zeta** -- QLSD++ control point :math:`\\zeta_k`, shape ``(d,)``.
     - **grad_zeta** -- :math:`\\nabla U_i(\\zeta_k)` held by each client, shape ``(b, d)``.
@@ -105,147 +105,40 @@ class QLSDExtra(NamedTuple):
       that took part in the last round; ``()`` otherwise.
     """
 
-    eta_clients: jax.Array
-    eta: jax.Array
-    zeta: jax.Array
-    grad_zeta: jax.Array
-    refreshes: jax.Array
-    participants: Any = ()
+    __slots__ = ()
+
+    @property
+    def eta_clients(self):
+        return self.clients.eta
+
+    @property
+    def eta(self):
+        return self.server.eta
+
+    def _svrg(self, name):
+        est = self.clients.estimator
+        if not isinstance(est, estimators.SVRGState):
+            raise AttributeError(f"QLSDExtra has no {name!r}: only QLSD++ with minibatches "
+                                 "keeps a control point")
+        return getattr(est, name)
+
+    @property
+    def zeta(self):
+        return self._svrg("zeta")
+
+    @property
+    def grad_zeta(self):
+        return self._svrg("grad_zeta")
+
+    @property
+    def refreshes(self):
+        if not isinstance(self.clients.estimator, estimators.SVRGState):
+            # no control point: never refreshed (zeros over the chains' axes)
+            return jnp.zeros(jnp.shape(self.server.eta)[:-1], jnp.int32)
+        return self._svrg("refreshes")
 
 
-def check_theta_star(pot, value: Mapping[str, Any]) -> jax.Array:
-    """Validate QLSD*'s user-given :math:`\\theta^\\star` (constrained site values) against the
-    model's latent sites and return it flat and unconstrained.
-
-    :raises ValueError: naming the site for an unknown or missing site, a wrong shape, a
-        non-finite value or a value outside the site's support.
-    """
-    names = list(pot.latent_names)
-    unknown = sorted(set(value) - set(names))
-    if unknown:
-        raise ValueError(f"`theta_star` has unknown sites {unknown}; the model's latent sites "
-                         f"are {names}.")
-    missing = sorted(set(names) - set(value))
-    if missing:
-        raise ValueError(f"`theta_star` lacks the sites {missing}: give a constrained value for "
-                         f"every latent site {names} (or theta_star=None to search for it).")
-    proto = jax.eval_shape(lambda x: pot.constrain(x, deterministic=False),
-                           jax.ShapeDtypeStruct((pot.dim,), pot.dtype))
-    for name in names:
-        v = np.asarray(value[name], np.float64)
-        want = tuple(np.shape(proto[name]))
-        if v.shape != want:
-            raise ValueError(f"`theta_star[{name!r}]` has shape {v.shape}, but site {name!r} has "
-                             f"shape {want}.")
-        if not np.all(np.isfinite(v)):
-            raise ValueError(f"`theta_star[{name!r}]` has non-finite values.")
-        t = pot._inv_transforms[name]
-        u = np.asarray(t.inv(jnp.asarray(v, pot.dtype)))
-        if not np.all(np.isfinite(u)):
-            raise ValueError(
-                f"`theta_star[{name!r}]` = {np.array2string(v, precision=4)} is outside the "
-                f"support of site {name!r} ({t.codomain}); give a value inside it.")
-    return pot.unconstrain(value)
-
-
-def centring_at(pot, theta: jax.Array, *, data: ClientPartition | None = None,
-                grads: jax.Array | None = None) -> tuple[jax.Array, jax.Array, float, float]:
-    """QLSD*'s centring round at ``theta``: the clients' gradients and
-    :func:`~numpyro_fed.algorithms.theta_star.centring`, in one program.
-
-    :param data: the client partition, whose gradients are computed here (in process), or
-    :param grads: the ``(b, d)`` gradients the clients sent (the Flower server).
-    :return: ``(grads, g_star, grad_norm, scale)`` (the norms as Python floats).
-    """
-    def run(t, data, grads):
-        grads = pot.full_grads(t, data) if grads is None else grads
-        return (grads, *search_alg.centring(grads, pot.server_grad(t)))
-
-    grads, g_star, gnorm, scale = _programs.Program(run)(theta, data, grads)
-    return grads, g_star, float(gnorm), float(scale)
-
-
-def find_theta_star(
-    potential,
-    data: ClientPartition,
-    x0: jax.Array,
-    *,
-    method: str = "bb",
-    maxiter: int = 2000,
-    gtol: float = 1e-5,
-    learning_rate: float = 1e-2,
-) -> tuple[jax.Array, ThetaStarSearch]:
-    """Federated minimisation of :math:`U = U_0 + \\sum_i U_i` from ``x0`` (one compiled loop).
-
-    Each iteration is one communication round: the server broadcasts :math:`\\theta`
-    (``b`` dense float32 vectors), every client returns :math:`\\nabla U_i(\\theta)` (and, for
-    BFGS's line search, the scalar :math:`U_i(\\theta)`).
-
-    :param potential: a :class:`~numpyro_fed.potential.FederatedPotential`.
-    :param data: the client partition.
-    :param x0: flat unconstrained starting point.
-    :param method: ``"bb"`` (default: full-gradient descent with Barzilai--Borwein step sizes,
-        gradients only, robust in float32), ``"adam"`` (full-gradient Adam) -- both in a
-        ``lax.while_loop`` that stops when :math:`\\|\\nabla U\\| \\le` ``gtol``
-        :math:`\\cdot\\max(1, \\|\\nabla U(x_0)\\|)` -- or ``"bfgs"``
-        (``jax.scipy.optimize.minimize``; its line search needs accurate potential values,
-        prefer float64).
-    :param maxiter: maximal number of iterations (rounds).
-    :param gtol: relative gradient tolerance.
-    :param learning_rate: Adam's step size.
-    :return: ``(theta_star, ThetaStarSearch)``.
-    """
-    b, d = data.num_clients, potential.dim
-
-    def grad_u(x):
-        return jnp.sum(potential.full_grads(x, data), 0) + potential.server_grad(x)
-
-    if method == "bfgs":
-        from jax.scipy.optimize import minimize
-
-        fun = lambda x: potential.potential(x, data)  # noqa: E731
-        g0 = jnp.linalg.norm(_programs.Program(grad_u)(x0))
-        res = _programs.Program(
-            lambda x: minimize(fun, x, method="BFGS",
-                               options={"maxiter": maxiter, "gtol": gtol * max(1.0, float(g0))})
-        )(x0)
-        theta, rounds = res.x, int(res.nfev)
-        up_per_round = b * (32 * d + 32)  # gradient + value for the line search
-    elif method in search_alg.METHODS:
-
-        def search(x):
-            g = grad_u(x)
-            tol = search_alg.tolerance(gtol, jnp.linalg.norm(g))
-
-            def body(st):
-                st = search_alg.update(method, st, learning_rate)
-                return st._replace(g=grad_u(st.x))
-
-            out = lax.while_loop(lambda st: search_alg.keep_going(st, tol, maxiter), body,
-                                 search_alg.init(x, g))
-            return out.k, out.x
-
-        k, theta = _programs.Program(search)(x0)
-        rounds = int(k) + 1  # + the gradient at x0
-        up_per_round = b * 32 * d
-    else:
-        raise ValueError(
-            f"Unknown theta* search `method`={method!r}; use 'bb', 'adam' or 'bfgs'."
-        )
-    g_final = float(jnp.linalg.norm(_programs.Program(grad_u)(theta)))
-    g_start = float(jnp.linalg.norm(_programs.Program(grad_u)(x0)))
-    info = ThetaStarSearch(
-        method=method,
-        rounds=rounds,
-        bits_up=rounds * up_per_round,
-        bits_down=rounds * b * 32 * d,
-        grad_norm=g_final,
-        converged=search_alg.converged(g_final, g_start, gtol),
-    )
-    return theta, info
-
-
-class QLSD(FederatedKernel):
+class QLSD(AlgorithmKernel):
     """Quantised Langevin stochastic dynamics: QLSD#, QLSD* and QLSD++ ([VPD+22]_ Alg. 1-2).
 
     See the module docstring for the recursion. The kernel runs inside
@@ -299,6 +192,7 @@ class QLSD(FederatedKernel):
     """
 
     name = "QLSD"
+    extra_type = QLSDExtra
 
     def __init__(
         self,
@@ -330,143 +224,63 @@ class QLSD(FederatedKernel):
             compressor = quantize(bits=bits)
         elif levels is not None:
             compressor = quantize(levels=levels)
-        super().__init__(
-            model, partition, step_size=step_size, batch_size=batch_size,
+        FederatedKernel.__init__(
+            self, model, partition, step_size=step_size, batch_size=batch_size,
             compressor=compressor, init_strategy=init_strategy, **kwargs,
         )
         warn_if_many_empty_rounds(self.participation, partition.num_clients)
-        comp = self.compressor
-        if not comp.unbiased or comp.omega is None:
-            raise ValueError(
-                f"QLSD needs an unbiased compressor (H2), got {comp.name}; use quantize(...), "
-                "rand_k(...) or identity(). Biased/contractive compressors belong to ELF."
-            )
-        d = self.potential.dim
-        self.omega = float(comp.omega(d))
-        bound = 1.0 / (self.omega + 1.0)
-        if memory_rate is None:
-            memory_rate = bound if self.variant == "++" else 0.0
-        alpha = check_float(
-            "memory_rate", memory_rate, low=0.0, high=1.0,
-            what=f" (QLSD Thm. 3 asks for at most 1/(omega+1) = {bound:.4g} for {comp.name} "
-                 f"in dimension {d}; 0 switches memory off)")
-        if alpha > bound * (1 + 1e-9):
-            warnings.warn(
-                f"`memory_rate`={alpha:.4g} exceeds the theoretical bound 1/(omega+1) = "
-                f"{bound:.4g} of {comp.name} in dimension {d} (QLSD Thm. 3); the memory terms "
-                "may amplify the compression noise.",
-                stacklevel=2,
-            )
-        self.memory_rate = alpha
-        self.refresh_every = check_int("refresh_every", refresh_every, minimum=1)
-        if oracle is not None and self.variant != "#":
-            raise ValueError("A custom `oracle` is only used by variant='#' (QLSD, Alg. 1).")
-        self._custom_oracle = oracle
-        if theta_star is not None and self.variant != "*":
-            raise ValueError("`theta_star` is only used by variant='*' (QLSD*).")
-        self._theta_star_user = theta_star
-        if theta_star is not None:
-            self._user_theta_star()  # refuse a bad centring point now, not at MCMC.run
         self.theta_star_kwargs = dict(theta_star_kwargs or {})
-        self.theta_star: jax.Array | None = None
-        self.theta_star_search: ThetaStarSearch | None = None
-        self._star_fingerprint = None
-        self.g_star: jax.Array | None = None
-        self._grads_star: jax.Array | None = None
-        self._star_bits: tuple[int, int] = (0, 0)
+        self._custom_oracle = oracle
+        self._theta_star_user = theta_star
+        self.refresh_every = refresh_every
+        self.memory_rate = memory_rate
+        self._alg_key = None
+        alg = self._build_algorithm(warn_stacklevel=3)
+        self.memory_rate = alg.description["options"]["memory_rate"]
+        self.refresh_every = alg.description["options"]["refresh_every"]
+        self._alg_key = self._algorithm_key()
+        comp = self.compressor
+        self.omega = float(comp.omega(self.potential.dim))
+        self._init_setup()
+        if theta_star is not None:
+            user_point(self.potential, theta_star)  # refuse a bad centring point now
 
-    # -- QLSD*: centring point ---------------------------------------------------------
-    def _user_theta_star(self) -> jax.Array:
-        """The user's ``theta_star`` as a flat unconstrained vector, checked site by site."""
-        pot, value = self.potential, self._theta_star_user
-        if not isinstance(value, Mapping):
-            if len(pot.latent_names) != 1:
-                raise ValueError(
-                    "`theta_star` must be a dict of constrained site values "
-                    f"{list(pot.latent_names)}; an array is accepted only for one site."
-                )
-            value = {pot.latent_names[0]: value}
-        return check_theta_star(pot, value).astype(pot.dtype)
+    # -- the algorithm value --------------------------------------------------------------
+    def _algorithm_key(self) -> tuple:
+        return (self.variant, self._step_size, self.batch_size, id(self.compressor),
+                self.memory_rate, self.refresh_every, self.participation,
+                id(self._custom_oracle), id(self._theta_star_user),
+                repr(sorted(self.theta_star_kwargs.items())))
 
-    def _prepare_theta_star(self, rng_key) -> None:
-        """Find or convert :math:`\\theta^\\star`, then compute :math:`g^\\star` (once)."""
-        pot, data = self.potential, self.partition
-        b, d = data.num_clients, pot.dim
-        if self._theta_star_user is not None:
-            theta = self._user_theta_star()
-            search = ThetaStarSearch("user", 0, 0, 0, float("nan"), True)
-        else:
-            vectorized, key = split_chain_keys(rng_key)
-            key = key[0] if vectorized else key
-            x0 = pot.init_params(key, self._init_strategy, fold_in=11)
-            theta, search = find_theta_star(pot, data, x0, **self.theta_star_kwargs)
-        grads, g_star, gnorm, scale = centring_at(pot, theta, data=data)
-        search = search._replace(grad_norm=gnorm)
-        if gnorm > 1e-2 * max(1.0, scale):
-            warnings.warn(
-                f"QLSD*: ||grad U(theta*)|| = {gnorm:.3g} is large (clients' gradients at "
-                f"theta* have norm {scale:.3g}): theta* is not a minimiser of the unconstrained "
-                "potential. The chain stays unbiased because g* = sum_i grad U_i(theta*) is "
-                "added on the server, but the control variates are less effective; give a "
-                "better `theta_star` or tighten `theta_star_kwargs`.",
-                stacklevel=3,
-            )
-        self.theta_star, self.g_star, self._grads_star = theta, g_star, grads
-        self.theta_star_search = search
-        # search rounds + broadcast of theta* + one uncompressed round for g*
-        self._star_bits = (search.bits_up + b * 32 * d, search.bits_down + b * 32 * d)
+    def _build_algorithm(self, warn_stacklevel: int = 2) -> FederatedAlgorithm:
+        kw = dict(self.theta_star_kwargs)
+        names = {"method": "theta_star_method", "maxiter": "theta_star_maxiter",
+                 "gtol": "theta_star_gtol", "learning_rate": "theta_star_lr"}
+        unknown = sorted(set(kw) - set(names))
+        if unknown:
+            raise TypeError(f"`theta_star_kwargs` has unknown options {unknown}; use "
+                            f"{sorted(names)}.")
+        search = {names[k]: v for k, v in kw.items()}
+        alg = core.algorithm(
+            self.variant, step_size=self._step_size, compressor=self.compressor,
+            memory_rate=self.memory_rate, refresh_every=self.refresh_every,
+            batch_size=self.batch_size, participation=self.participation,
+            theta_star=self._theta_star_user, oracle=self._custom_oracle,
+            dim=self.potential.dim, warn_stacklevel=warn_stacklevel + 1,
+            **(search if self.variant == "*" else {}))
+        self._alg, self._alg_key = alg, self._algorithm_key()
+        return alg
 
-    def _centring_fingerprint(self):
-        """What :math:`\\theta^\\star` and :math:`g^\\star` are computed from: the program of
-        the clients' potentials and gradients (its lowered module, which shows the model as
-        it reads now: :func:`numpyro_fed._programs.program_key`), the user's value and the
-        search's options. ``None``: cannot be keyed (then found again at every ``init``)."""
-        pot, data = self.potential, self.partition
-
-        def target(t, data):
-            return pot.full_grads(t, data), pot.server_grad(t), pot.potential(t, data)
-
-        key = _programs.program_key(target, (jax.ShapeDtypeStruct((pot.dim,), pot.dtype),
-                                             data))
-        if key is None:
-            return None
-        user = self._theta_star_user
-        user = None if user is None else jax.tree.map(
-            lambda v: (np.shape(v), np.asarray(v).tobytes()), user)
-        try:
-            hash(extra := (repr(user), repr(sorted(self.theta_star_kwargs.items()))))
-        except TypeError:
-            return None
-        return key, extra
-
-    def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
-        if self.variant == "*":
-            # found once, and again when what it is computed from changed (never stale)
-            fp = self._centring_fingerprint()
-            if self.theta_star is None or fp is None or fp != self._star_fingerprint:
-                self._prepare_theta_star(rng_key)
-                self._star_fingerprint = fp
-        return super().init(rng_key, num_warmup, init_params, model_args, model_kwargs)
-
-    # -- algorithm ---------------------------------------------------------------------
     @property
-    def _uses_zeta(self) -> bool:
-        return self.variant == "++" and self.batch_size is not None
-
-    def init_extra(self, key, x, data):
-        b, d = data.num_clients, x.shape[0]
-        empty = jnp.zeros((0,), x.dtype)
-        mem = self.memory_rate > 0
-        extra = QLSDExtra(
-            eta_clients=jnp.zeros((b, d), x.dtype) if mem else empty,
-            eta=jnp.zeros((d,), x.dtype) if mem else empty,
-            zeta=x if self._uses_zeta else empty,
-            grad_zeta=jnp.zeros((b, d), x.dtype) if self._uses_zeta else empty,
-            refreshes=jnp.zeros((), jnp.int32),
-            participants=jnp.ones((b,), bool) if self.participation < 1.0 else (),
-        )
-        up, down = self._star_bits
-        return extra, up, down + self.broadcast_bits(data)
+    def algorithm(self) -> FederatedAlgorithm:
+        """The :class:`~numpyro_fed.algorithms.federated.FederatedAlgorithm` this kernel runs,
+        :func:`numpyro_fed.algorithms.qlsd.algorithm` of its options (built again, without
+        warnings, if an option was changed since)."""
+        if self._alg_key != self._algorithm_key():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._build_algorithm()
+        return self._alg
 
     def estimator(self) -> estimators.GradientEstimator:
         """The client oracle :math:`H_i` of this variant
@@ -480,48 +294,11 @@ class QLSD(FederatedKernel):
             theta_star=self.theta_star, grad_star=self._grads_star, g_star=self.g_star,
             oracle=self._custom_oracle)
 
-    def step(self, key, noise_key, i, x, extra, data):
-        """One round ([VPD+22]_ Alg. 1-2): the client half (the estimator of
-        :mod:`numpyro_fed.algorithms.estimators` and
-        :func:`~numpyro_fed.algorithms.qlsd.client_message`) on all clients at once, each
-        client's compression ``vmap``-ed, and the server half
-        (:func:`~numpyro_fed.algorithms.qlsd.server_aggregate`,
-        :func:`~numpyro_fed.algorithms.qlsd.server_move`). With ``participation < 1`` only
-        the clients of the round's mask
-        (:func:`~numpyro_fed.algorithms.participation.participation_mask`) send;
-        QLSD++'s control variates :math:`\\nabla U_i(\\zeta_k)` are deterministic, so a client
-        absent at a refresh computes the same value when it next takes part."""
-        est, alpha = self.estimator(), self.memory_rate
-        oracle = estimators.StackedClients(self.potential, data)
-        k_batch, k_comp = random.split(key)
-        mask = None
-        if self.participation < 1.0:
-            mask = participation_mask(key, self.participation, data.num_clients)
-        est_state = ()
-        if est.refresh_every is not None:  # QLSD++ with minibatches: the control point
-            est_state = est.step_state(
-                oracle, i, x, estimators.SVRGState(extra.zeta, extra.grad_zeta, extra.refreshes))
-            extra = extra._replace(zeta=est_state.zeta, grad_zeta=est_state.grad_zeta,
-                                   refreshes=est_state.refreshes)
-        h = est.estimate(oracle, k_batch, x, est_state)
-        decoded, up = self.compress_all(k_comp, core.client_message(h, extra.eta_clients, alpha),
-                                        mask=mask)
-        g, eta = core.server_aggregate(decoded, extra.eta, alpha, mask)
-        applied = decoded if mask is None else jnp.where(mask[:, None], decoded, 0.0)
-        extra = extra._replace(eta_clients=core.client_commit(extra.eta_clients, applied, alpha),
-                               eta=eta)
-        x_new = core.server_move(noise_key, x, g, est.offset, self.potential.server_grad(x),
-                                 self._step_size)
-        if mask is None:
-            return x_new, extra, up, self.broadcast_bits(data)
-        down = self.count_clients_bits(mask, 32 * self.potential.dim)
-        return x_new, extra._replace(participants=mask), up, down
-
     def _display_name(self) -> str:
         return f"QLSD{self.variant}"
 
     def get_diagnostics_str(self, state):
-        base = super().get_diagnostics_str(state)
+        base = FederatedKernel.get_diagnostics_str(self, state)
         return f"QLSD{self.variant} ({self.compressor.name}). {base}"
 
 
