@@ -453,7 +453,7 @@ class NewtonMStep:
     Where :math:`-H` is not positive definite (far from the maximum) its eigenvalues are
     replaced by their absolute values (saddle-free Newton, Dauphin et al. 2014), floored at
     ``eig_floor`` times the largest -- eigenvalues of the Jacobi-scaled Hessian
-    :math:`D^{-1/2}HD^{-1/2}` (:math:`D = |\mathrm{diag}\,H|`), so that the floor does not
+    :math:`D^{-1/2}HD^{-1/2}` (:math:`D = |\\mathrm{diag}\\,H|`), so that the floor does not
     depend on the units of the coordinates; coordinate :math:`j` of a step is clipped to
     ``max_step * max(1, |theta_j|)``.
     Annealing floors positive scalar parameters at ``sqrt(anneal_factor)`` times their
