@@ -8,6 +8,7 @@ from numpyro_fed import compressors, distributed
 from numpyro_fed.bits import BitCounter, counter_value
 from numpyro_fed.compilation import enable_compilation_cache
 from numpyro_fed.distributed import shard_kernel, shard_partition
+from numpyro_fed.errors import ConvergenceWarning, DivergenceError, SingularFitWarning
 from numpyro_fed.infdata import communication_summary, to_inference_data
 from numpyro_fed.kernels import (
     BELF,
@@ -18,7 +19,6 @@ from numpyro_fed.kernels import (
     PELF,
     QLSD,
     ULA,
-    DivergenceError,
     FederatedKernel,
     FederatedLangevin,
     FedState,
@@ -31,10 +31,8 @@ from numpyro_fed.potential import FederatedPotential
 from numpyro_fed.runner import CachedMCMC
 from numpyro_fed.saem import (
     SAEM,
-    ConvergenceWarning,
     SAEMResult,
     Schedule,
-    SingularFitWarning,
     SufficientStatistics,
 )
 

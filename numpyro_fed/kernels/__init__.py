@@ -1,6 +1,7 @@
 """NumPyro MCMC kernels: ULA, MALA and the federated Langevin family."""
 
-from numpyro_fed.kernels.base import DivergenceError, DivergenceGuard
+from numpyro_fed.errors import DivergenceError
+from numpyro_fed.kernels.base import DivergenceGuard
 from numpyro_fed.kernels.elf import BELF, DELF, ELF, PELF, ELFState
 from numpyro_fed.kernels.langevin import (
     MALA,

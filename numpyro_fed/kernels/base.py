@@ -20,6 +20,7 @@ from numpyro.util import is_prng_key
 
 from numpyro_fed._validation import check_positive_float
 from numpyro_fed.algorithms.langevin import langevin_move  # noqa: F401  (re-exported)
+from numpyro_fed.errors import DivergenceError  # re-exported: its home before errors.py
 
 __all__ = [
     "split_chain_keys",
@@ -29,18 +30,6 @@ __all__ = [
     "DivergenceError",
     "DivergenceGuard",
 ]
-
-
-class DivergenceError(FloatingPointError):
-    """A chain left the finite numbers (usually: the step size is too large).
-
-    Raised directly by ``MCMC.run`` (not wrapped in a JAX runtime error). Attributes:
-    ``iteration`` -- the first non-finite iteration (counting warmup, from 1) when known;
-    ``chain`` -- the index of the first diverging vectorized chain, or ``None``.
-    """
-
-    iteration: int | None = None
-    chain: int | None = None
 
 
 def split_chain_keys(rng_key) -> tuple[bool, Any]:

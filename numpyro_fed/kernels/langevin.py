@@ -135,7 +135,7 @@ class LangevinState(NamedTuple):
     - **rng_key** -- random key.
     - **guard** -- :class:`~numpyro_fed.kernels.base.DivergenceGuard`: the first non-finite
       iteration (``-1``: none); a state that holds one raises
-      :class:`~numpyro_fed.kernels.base.DivergenceError` when it leaves compiled code.
+      :class:`~numpyro_fed.errors.DivergenceError` when it leaves compiled code.
     """
 
     i: jax.Array
@@ -295,7 +295,7 @@ class ULA(_ModelLangevinBase):
         (``init_params`` are then required).
     :param step_size: :math:`\\gamma`.
     :param init_strategy: NumPyro initialisation strategy for model latent sites.
-    :param check_finite: stop with :class:`~numpyro_fed.kernels.base.DivergenceError` when a
+    :param check_finite: stop with :class:`~numpyro_fed.errors.DivergenceError` when a
         chain becomes non-finite.
 
     :param track_potential: compute :math:`U(z)` at every step (state field
@@ -495,7 +495,7 @@ class FedState(NamedTuple):
     - **data** -- the client partition (shared by chains).
     - **guard** -- :class:`~numpyro_fed.kernels.base.DivergenceGuard`, one per chain: the
       first non-finite iteration (``-1``: none). A state that holds one raises
-      :class:`~numpyro_fed.kernels.base.DivergenceError` when it leaves compiled code.
+      :class:`~numpyro_fed.errors.DivergenceError` when it leaves compiled code.
     - **energy** -- with ``track_potential=True``: :math:`U(z)` on all the data (readable
       as ``potential_energy``, e.g. ``extra_fields=("potential_energy",)``); ``None``
       otherwise, and then asking for ``potential_energy`` raises an ``AttributeError`` that

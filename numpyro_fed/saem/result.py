@@ -11,6 +11,7 @@ import numpy as np
 from jax import random
 
 from numpyro_fed._validation import check_int, check_positive_float
+from numpyro_fed.errors import ConvergenceWarning, SingularFitWarning  # also re-exported
 from numpyro_fed.saem import likelihood as lik
 from numpyro_fed.saem.model import (
     ModelInfo,
@@ -25,19 +26,6 @@ from numpyro_fed.saem.mstep import VARIANCE_FLOOR
 
 __all__ = ["SAEMResult", "ConvergenceWarning", "SingularFitWarning", "StandardErrors",
            "boundary_collapse", "singular_coords", "missing_ratio"]
-
-
-class ConvergenceWarning(UserWarning):
-    """The SAEM fit shows signs of not having converged (see
-    :meth:`SAEMResult.check_convergence`); its standard errors and -2LL are then not to be
-    trusted, and say so."""
-
-
-class SingularFitWarning(ConvergenceWarning):
-    """A boundary (singular) fit: a variance (or scale) ends at the boundary 0 of its support,
-    its maximum-likelihood value (lme4's "boundary (singular) fit"). The estimates are the
-    maximum on the boundary; standard errors there are not regular (see
-    :attr:`SAEMResult.singular`)."""
 
 
 #: a coordinate whose distance to the boundary of its support fell below this fraction of

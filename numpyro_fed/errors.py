@@ -1,0 +1,47 @@
+"""The package's exception and warning types, in one module at the bottom of the layers.
+
+Every module of :mod:`numpyro_fed` raises and warns with these (plus Python's
+:class:`ValueError` / :class:`TypeError` for misused arguments, see
+:mod:`numpyro_fed._validation`); users catch them by these names, also exported from the
+root package (``numpyro_fed.DivergenceError``) and, for compatibility, from the modules
+that defined them before (``numpyro_fed.kernels.base``, ``numpyro_fed.saem``,
+``numpyro_fed.saem.result``). This module imports nothing from the package, so that any
+layer may use it.
+
+* :class:`DivergenceError` -- a chain left the finite numbers (kernels, SAEM, deployments).
+* :class:`ConvergenceWarning` -- an SAEM fit shows signs of not having converged; its
+  subclass :class:`SingularFitWarning` -- a variance ends at the boundary 0 of its support.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DivergenceError",
+    "ConvergenceWarning",
+    "SingularFitWarning",
+]
+
+
+class DivergenceError(FloatingPointError):
+    """A chain left the finite numbers (usually: the step size is too large).
+
+    Raised directly by ``MCMC.run`` (not wrapped in a JAX runtime error). Attributes:
+    ``iteration`` -- the first non-finite iteration (counting warmup, from 1) when known;
+    ``chain`` -- the index of the first diverging vectorized chain, or ``None``.
+    """
+
+    iteration: int | None = None
+    chain: int | None = None
+
+
+class ConvergenceWarning(UserWarning):
+    """The SAEM fit shows signs of not having converged (see
+    :meth:`SAEMResult.check_convergence <numpyro_fed.saem.SAEMResult.check_convergence>`);
+    its standard errors and -2LL are then not to be trusted, and say so."""
+
+
+class SingularFitWarning(ConvergenceWarning):
+    """A boundary (singular) fit: a variance (or scale) ends at the boundary 0 of its support,
+    its maximum-likelihood value (lme4's "boundary (singular) fit"). The estimates are the
+    maximum on the boundary; standard errors there are not regular (see
+    :attr:`SAEMResult.singular <numpyro_fed.saem.SAEMResult.singular>`)."""
