@@ -11,14 +11,23 @@ layer may use it.
 * :class:`DivergenceError` -- a chain left the finite numbers (kernels, SAEM, deployments).
 * :class:`ConvergenceWarning` -- an SAEM fit shows signs of not having converged; its
   subclass :class:`SingularFitWarning` -- a variance ends at the boundary 0 of its support.
+* :class:`DeploymentError` -- a Flower deployment cannot go on (its subclasses
+  :class:`ClientMismatchError`, :class:`ParticipationError`); :class:`WireFormatError` -- a
+  malformed message on the wire (also exported by :mod:`numpyro_fed.flower`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 __all__ = [
     "DivergenceError",
     "ConvergenceWarning",
     "SingularFitWarning",
+    "DeploymentError",
+    "ClientMismatchError",
+    "ParticipationError",
+    "WireFormatError",
 ]
 
 
@@ -45,3 +54,42 @@ class SingularFitWarning(ConvergenceWarning):
     its maximum-likelihood value (lme4's "boundary (singular) fit"). The estimates are the
     maximum on the boundary; standard errors there are not regular (see
     :attr:`SAEMResult.singular <numpyro_fed.saem.SAEMResult.singular>`)."""
+
+
+# ====================================================================== deployments
+class DeploymentError(RuntimeError):
+    """A Flower deployment cannot go on without sampling another target than its spec's:
+    clients missing or announcing the same partition id at ``hello``, a client running
+    another model or other settings (:class:`ClientMismatchError`), clients that stopped
+    answering (:class:`ParticipationError`). The message names the clients / rounds at fault
+    and what to do."""
+
+
+class ClientMismatchError(DeploymentError):
+    """A client computes another potential than the server's model and spec (another model
+    or version of the model module, another likelihood weight, other settings).
+
+    ``clients``: the partition ids of the refused clients."""
+
+    clients: list[int]
+
+    def __init__(self, message: str, clients: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.clients = [int(i) for i in clients]
+
+
+class ParticipationError(DeploymentError):
+    """The clients stopped answering: too many consecutive rounds without a participant,
+    or a share of answered requests far below ``min_participation``.
+
+    ``rounds``: the rounds at fault (0-based step indices)."""
+
+    rounds: list[int]
+
+    def __init__(self, message: str, rounds: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.rounds = [int(k) for k in rounds]
+
+
+class WireFormatError(ValueError):
+    """A received message is malformed, oversized or inconsistent with its codec."""
