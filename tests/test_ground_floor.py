@@ -91,3 +91,37 @@ def test_the_kernels_raise_the_errors_module_class():
         guard.update(np.array([np.inf]), 2).check()
     assert info.value.iteration == 2
     assert issubclass(errors.SingularFitWarning, errors.ConvergenceWarning)
+
+
+# ------------------------------------------------------------------ minibatch indices
+def test_minibatch_module_is_ground_floor_and_old_paths_work():
+    from numpyro_fed import minibatch, potential
+    from numpyro_fed.algorithms import oracles
+
+    tree = ast.parse((ROOT / "minibatch.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                and (n.level or (n.module or "").startswith("numpyro_fed"))]
+    assert potential.client_bits is minibatch.client_bits
+    assert potential.batch_indices is minibatch.batch_indices
+    assert oracles.batch_indices is minibatch.batch_indices
+
+
+@pytest.mark.parametrize("max_size", [50, 1 << 16])
+def test_all_clients_indices_are_each_clients_own(max_size):
+    """The kernels' one-call indices of all clients equal what each client draws alone (a
+    deployed client), in both regimes (multiply-shift below 2^16 rows, randint above), and
+    stay in each client's range."""
+    import jax
+    import jax.numpy as jnp
+
+    from numpyro_fed.minibatch import batch_indices, clients_batch_indices
+
+    key = jax.random.key(3)
+    sizes = jnp.asarray([1, 7, 50, 33], jnp.int32)
+    together = np.asarray(clients_batch_indices(key, sizes, 64, max_size))
+    assert together.shape == (4, 64)
+    for i in range(4):
+        alone = np.asarray(batch_indices(key, i, sizes[i], 64, max_size))
+        np.testing.assert_array_equal(together[i], alone)
+        assert together[i].min() >= 0 and together[i].max() < int(sizes[i])
+    assert len(np.unique(together[2])) > 30  # 64 draws of 50 rows: ~36 distinct expected
