@@ -125,3 +125,29 @@ def test_all_clients_indices_are_each_clients_own(max_size):
         np.testing.assert_array_equal(together[i], alone)
         assert together[i].min() >= 0 and together[i].max() < int(sizes[i])
     assert len(np.unique(together[2])) > 30  # 64 draws of 50 rows: ~36 distinct expected
+
+
+# ------------------------------------------------------------------ kernels/federated.py
+@pytest.mark.parametrize("module", ["numpyro_fed", "numpyro_fed.kernels",
+                                    "numpyro_fed.kernels.langevin"])
+def test_federated_kernel_old_paths(module):
+    from numpyro_fed.kernels import federated
+
+    mod = importlib.import_module(module)
+    assert mod.FederatedKernel is federated.FederatedKernel
+    assert mod.FedState is federated.FedState
+
+
+def test_federated_kernel_module_does_not_need_the_langevin_kernels():
+    """The base class sits below its subclasses: ``kernels/federated.py`` imports none of
+    ``kernels/langevin.py``, ``qlsd.py``, ``elf.py``."""
+    tree = ast.parse((ROOT / "kernels" / "federated.py").read_text())
+    mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not mods & {"numpyro_fed.kernels.langevin", "numpyro_fed.kernels.qlsd",
+                       "numpyro_fed.kernels.elf"}
+    from numpyro_fed.kernels.elf import ELF
+    from numpyro_fed.kernels.federated import FederatedKernel
+    from numpyro_fed.kernels.langevin import FederatedLangevin
+    from numpyro_fed.kernels.qlsd import QLSD
+
+    assert all(issubclass(k, FederatedKernel) for k in (ELF, QLSD, FederatedLangevin))

@@ -32,6 +32,58 @@ __all__ = [
 ]
 
 
+_DIVERGED = (
+    "numpyro_fed: {kernel} chain{{chain}} became non-finite at iteration {{iteration}} "
+    "(counting warmup) with step_size={step_size:.3g}. Reduce `step_size` (or check the "
+    "model for invalid values)."
+)
+
+
+_FIELD_HINTS = {
+    ("FedState", "potential_energy"): (
+        "the kernel was built without `track_potential=True` (clients send gradients only; "
+        "with it, every client also evaluates U_i on all its rows and sends it, 32 bits per "
+        "client and step)"),
+    ("FedState", "accept_prob"): "the federated kernels are unadjusted (no accept step)",
+    ("LangevinState", "accept_prob"): "ULA is unadjusted (no accept step); MALA records it",
+    ("FedState", "diverging"): (
+        "a chain that becomes non-finite stops the run with numpyro_fed.DivergenceError"),
+    ("LangevinState", "diverging"): (
+        "a chain that becomes non-finite stops the run with numpyro_fed.DivergenceError"),
+    ("MALAState", "diverging"): (
+        "MALA has no energy-error divergence: a non-finite chain stops the run with "
+        "numpyro_fed.DivergenceError, and non-finite proposals are rejected"),
+}
+
+
+def _missing_field(state: Any, name: str) -> AttributeError:
+    """The error for a field NumPyro users request of HMC (``extra_fields=...``) that this
+    kernel's state does not have: it names the field, says why, and lists what exists."""
+    cls = type(state).__name__
+    if name.startswith("__"):
+        return AttributeError(name)
+    hint = _FIELD_HINTS.get((cls, name))
+    props = [n for n in ("bits_up", "bits_down") if hasattr(type(state), n)]
+    return AttributeError(
+        f"{cls} has no field {name!r}" + (f": {hint}" if hint else "") + ". Fields that "
+        f"`extra_fields` can collect: {list(state._fields) + props} (and dotted sub-fields "
+        "such as 'extra.participants')."
+    )
+
+
+def _state_getattr(state: Any, name: str):
+    """``__getattr__`` of the kernels' states: a missing field is explained."""
+    raise _missing_field(state, name)
+
+
+def _state_getitem(state: Any, key):
+    """``__getitem__`` of the kernels' states: NumPyro's field getter tries ``state[name]``
+    after ``getattr``, which must explain a missing field too."""
+    if isinstance(key, str):
+        raise _missing_field(state, key)
+    return tuple.__getitem__(state, key)
+
+
 def split_chain_keys(rng_key) -> tuple[bool, Any]:
     """Return ``(vectorized, keys)``: a single key, or a batch of per-chain keys.
 
