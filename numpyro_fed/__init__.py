@@ -6,6 +6,7 @@ An ordinary NumPyro model + a :class:`ClientPartition` of its data -> a NumPyro
 
 from numpyro_fed import compressors, distributed
 from numpyro_fed.bits import BitCounter, counter_value
+from numpyro_fed.cached_mcmc import CachedMCMC
 from numpyro_fed.compilation import enable_compilation_cache
 from numpyro_fed.distributed import shard_kernel, shard_partition
 from numpyro_fed.errors import ConvergenceWarning, DivergenceError, SingularFitWarning
@@ -28,7 +29,6 @@ from numpyro_fed.kernels import (
 )
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential
-from numpyro_fed.runner import CachedMCMC
 from numpyro_fed.saem import (
     SAEM,
     SAEMResult,

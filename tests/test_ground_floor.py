@@ -151,3 +151,14 @@ def test_federated_kernel_module_does_not_need_the_langevin_kernels():
     from numpyro_fed.kernels.qlsd import QLSD
 
     assert all(issubclass(k, FederatedKernel) for k in (ELF, QLSD, FederatedLangevin))
+
+
+# ------------------------------------------------------------------ module names
+def test_no_two_modules_share_a_file_name_runner():
+    """One module named ``runner.py`` at most (``flower/runner.py``); CachedMCMC lives in
+    ``numpyro_fed/cached_mcmc.py``."""
+    runners = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("runner.py"))
+    assert len(runners) <= 1, runners
+    from numpyro_fed import cached_mcmc
+
+    assert numpyro_fed.CachedMCMC is cached_mcmc.CachedMCMC

@@ -47,7 +47,7 @@ LAYERS: dict[str, int] = {
     "numpyro_fed.distributed": 3,
     "numpyro_fed.flower": 3,
     "numpyro_fed.infdata": 3,
-    "numpyro_fed.runner": 3,
+    "numpyro_fed.cached_mcmc": 3,
     "numpyro_fed.saem": 3,
     "numpyro_fed.nlme": 4,
     "numpyro_fed.examples": 4,
