@@ -14,6 +14,8 @@ layer may use it.
 * :class:`DeploymentError` -- a Flower deployment cannot go on (its subclasses
   :class:`ClientMismatchError`, :class:`ParticipationError`); :class:`WireFormatError` -- a
   malformed message on the wire (also exported by :mod:`numpyro_fed.flower`).
+* :class:`NumPyroVersionWarning` -- :class:`~numpyro_fed.CachedMCMC` found a NumPyro it was
+  not tested with and runs NumPyro's own sampling loop.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "ClientMismatchError",
     "ParticipationError",
     "WireFormatError",
+    "NumPyroVersionWarning",
 ]
 
 
@@ -93,3 +96,12 @@ class ParticipationError(DeploymentError):
 
 class WireFormatError(ValueError):
     """A received message is malformed, oversized or inconsistent with its codec."""
+
+
+# ====================================================================== dependencies
+class NumPyroVersionWarning(UserWarning):
+    """:class:`~numpyro_fed.CachedMCMC` relies on private internals of NumPyro's ``MCMC``
+    (its sampling loop) and was tested on the versions of
+    :data:`numpyro_fed.cached_mcmc.TESTED_NUMPYRO`; with another NumPyro it warns this and
+    runs NumPyro's own loop instead (the draws of ``numpyro.infer.MCMC``, compiled at every
+    run). The message names the installed version and the fix."""

@@ -162,3 +162,105 @@ def test_no_two_modules_share_a_file_name_runner():
     from numpyro_fed import cached_mcmc
 
     assert numpyro_fed.CachedMCMC is cached_mcmc.CachedMCMC
+
+
+# ------------------------------------------------------------------ NumPyro versions
+@pytest.mark.parametrize("version, ok", [
+    ("0.22.0", True), ("0.22.1", True), ("0.22.2.dev0", True),
+    ("0.21.9", False), ("0.23.0", False), ("0.23.0rc1", False), ("1.22.0", False),
+    ("0.2", False), ("unknown", False),
+])
+def test_numpyro_versions_cachedmcmc_was_tested_on(version, ok):
+    from numpyro_fed.cached_mcmc import numpyro_supported
+
+    why = numpyro_supported(version)
+    assert (why is None) == ok
+    if not ok:
+        assert f"NumPyro {version} is installed" in why
+        assert "pip install 'numpyro>=0.22,<0.23'" in why and "numpyro.infer.MCMC" in why
+
+
+def test_installed_numpyro_is_a_tested_version():
+    """Fails loudly when the environment's NumPyro is not one CachedMCMC was tested on (e.g.
+    after an upgrade): rerun tests/test_compilation.py and tests/test_cache_correctness.py
+    on it, then widen TESTED_NUMPYRO and the pin in pyproject.toml together."""
+    import numpyro
+
+    from numpyro_fed.cached_mcmc import numpyro_supported
+
+    why = numpyro_supported()
+    assert why is None, f"NumPyro {numpyro.__version__}: {why}"
+
+
+def test_pyproject_requires_the_tested_numpyro_range():
+    import tomllib
+
+    from numpyro_fed.cached_mcmc import _requirement
+
+    meta = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
+    reqs = [r.replace(" ", "") for r in meta["project"]["dependencies"]
+            if r.replace(" ", "").startswith("numpyro") and not r.startswith("numpyro_")]
+    assert reqs == [_requirement()] == ["numpyro>=0.22,<0.23"]
+
+
+def _ula_draws(mcmc_cls, **kw):
+    import jax
+    import numpyro
+    import numpyro.distributions as dist
+
+    from numpyro_fed import ULA
+
+    def model():
+        numpyro.sample("x", dist.Normal(1.0, 2.0).expand([3]).to_event(1))
+
+    m = mcmc_cls(ULA(model, step_size=0.1), num_warmup=5, num_samples=20,
+                 progress_bar=False, **kw)
+    m.run(jax.random.key(7))
+    return np.asarray(m.get_samples()["x"]), m
+
+
+@pytest.mark.parametrize("version", ["0.23.0", "0.21.0"])
+def test_untested_numpyro_warns_and_runs_numpyros_own_loop(monkeypatch, version):
+    """With an unknown NumPyro, CachedMCMC says so (version and fix) and gives MCMC's draws
+    through NumPyro's own loop, caching no loop of its own."""
+    import numpyro
+    from numpyro.infer import MCMC
+
+    from numpyro_fed import CachedMCMC, cached_mcmc
+    from numpyro_fed.errors import NumPyroVersionWarning
+
+    reference, _ = _ula_draws(MCMC)
+    cached_mcmc.clear_cache()
+    monkeypatch.setattr(numpyro, "__version__", version)
+    with pytest.warns(NumPyroVersionWarning,
+                      match=rf"NumPyro {version} is installed.*pip install "
+                            r"'numpyro>=0\.22,<0\.23'"):
+        draws, m = _ula_draws(CachedMCMC)
+    assert not m.cached_loop
+    assert cached_mcmc.cached_loops() == 0
+    np.testing.assert_array_equal(draws, reference)
+
+
+def test_numpyro_without_the_private_names_warns(monkeypatch):
+    from numpyro_fed import CachedMCMC, cached_mcmc
+    from numpyro_fed.errors import NumPyroVersionWarning
+
+    monkeypatch.setattr(cached_mcmc, "_collect_and_postprocess", None)
+    with pytest.warns(NumPyroVersionWarning, match="lacks numpyro.infer.mcmc._collect_and"):
+        _, m = _ula_draws(CachedMCMC)
+    assert not m.cached_loop
+
+
+def test_tested_numpyro_uses_the_cached_loop():
+    import warnings
+
+    from numpyro.infer import MCMC
+
+    from numpyro_fed import CachedMCMC, cached_mcmc
+
+    cached_mcmc.clear_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        draws, m = _ula_draws(CachedMCMC)
+    assert m.cached_loop and cached_mcmc.cached_loops() == 1
+    np.testing.assert_array_equal(draws, _ula_draws(MCMC)[0])
