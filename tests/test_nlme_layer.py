@@ -1,6 +1,8 @@
 """The NONMEM layer's seams (issue 30): :class:`~numpyro_fed.nlme.NLMEFit` reads its
 :class:`~numpyro_fed.saem.SAEMResult` through the result's public API only."""
 
+import ast
+import inspect
 import warnings
 
 import jax
@@ -79,3 +81,66 @@ def test_result_conditional_modes_are_the_newton_modes_from_the_mean_draw(small_
     cm = small_fit.conditional_modes()
     for n in small_fit.pk.random_names:
         np.testing.assert_array_equal(cm[n], modes[f"phi_{n}"])
+
+
+# ----------------------------------------------------------------------------- the pipeline
+def _pipeline_steps():
+    """The module-level functions that ``PKDataset.from_dataframe`` calls, in call order."""
+    from numpyro_fed.nlme import data as D
+
+    tree = ast.parse(inspect.getsource(D))
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PKDataset")
+    method = next(n for n in cls.body if isinstance(n, ast.FunctionDef)
+                  and n.name == "from_dataframe")
+    called = [n.func.id for n in ast.walk(method) if isinstance(n, ast.Call)
+              and isinstance(n.func, ast.Name) and n.func.id in funcs]
+    return method, [funcs[c] for c in dict.fromkeys(called)]
+
+
+def test_from_dataframe_is_a_pipeline_of_small_documented_checks():
+    """``from_dataframe`` only chains named steps (its body, docstring aside, is short), and
+    each step is a small function with a docstring saying what it checks or builds."""
+    method, steps = _pipeline_steps()
+    body = method.body[1:]  # after the docstring
+    assert body[-1].end_lineno - body[0].lineno + 1 <= 60
+    names = [s.name for s in steps]
+    assert len([n for n in names if n.startswith("_check_")]) >= 8, names
+    for step in steps:
+        doc = step.body[0]
+        assert isinstance(doc, ast.Expr) and isinstance(doc.value.value, str), (
+            f"{step.name} has no docstring")
+        assert step.end_lineno - step.lineno + 1 <= 80, f"{step.name} is not small"
+
+
+def _faulty(**faults) -> pd.DataFrame:
+    """Two subjects (a dose at 0, three samples), with ``faults`` = {column: {row: value}}."""
+    rows = []
+    for sid in (1, 2):
+        rows.append({"ID": sid, "TIME": 0.0, "DV": np.nan, "AMT": 100.0, "EVID": 1,
+                     "MDV": 1, "CMT": 1, "WT": 70.0})
+        rows += [{"ID": sid, "TIME": t, "DV": 5.0 / t, "AMT": 0.0, "EVID": 0, "MDV": 0,
+                  "CMT": 2, "WT": 70.0} for t in (1.0, 2.0, 4.0)]
+    df = pd.DataFrame(rows)
+    for col, at in faults.items():
+        if any(isinstance(v, str) for v in at.values()):
+            df[col] = df[col].astype(object)
+        for row, v in at.items():
+            df.loc[row, col] = v
+    return df
+
+
+@pytest.mark.parametrize("faults, match", [
+    # a table with two faults reports the one of the earlier check
+    ({"TIME": {2: -1.0}, "EVID": {3: 7}}, "is negative"),
+    ({"EVID": {3: 7}, "CMT": {1: -2}}, "unknown code 7"),
+    ({"TIME": {3: 1.5}, "CMT": {0: 0}}, "decreases within subject 1"),
+    ({"CMT": {0: 0}, "AMT": {0: -5.0}}, r"\(cmt=\) must be a positive integer"),
+    ({"AMT": {0: -5.0}, "DV": {1: np.nan}}, "a dose needs a finite AMT > 0"),
+    ({"DV": {1: np.nan}, "WT": {1: np.inf}}, r"\(dv=\) = nan"),
+    ({"WT": {1: np.inf}}, "covariate 'WT' is infinite"),
+])
+def test_the_first_fault_in_pipeline_order_is_reported(faults, match):
+    assert nlme.PKDataset.from_dataframe(_faulty(), covariates=["WT"]).n_subjects == 2
+    with pytest.raises(ValueError, match=match):
+        nlme.PKDataset.from_dataframe(_faulty(**faults), covariates=["WT"])
