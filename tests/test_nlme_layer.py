@@ -12,8 +12,7 @@ import pandas as pd
 import pytest
 
 from numpyro_fed import nlme
-from numpyro_fed.errors import ConvergenceWarning
-from numpyro_fed.saem import Schedule
+from numpyro_fed.saem import ConvergenceWarning, Schedule
 from numpyro_fed.saem import likelihood as lik
 
 pytestmark = pytest.mark.xdist_group("nlme")
