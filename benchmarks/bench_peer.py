@@ -2,7 +2,7 @@
 
 Same minibatch Bayesian logistic regression (synthetic, N rows, dimension d, N(0, 1) prior),
 same step size, minibatches of ``n`` rows drawn uniformly with replacement by the same index
-sampler (:func:`numpyro_fed.potential.batch_indices`):
+sampler (:func:`numpyro_fed.minibatch.batch_indices`):
 
 * ``ours`` in a plain ``lax.scan`` of the kernel's ``sample`` (emitting what MCMC collects),
   in NumPyro's own ``MCMC.run`` sampling loop compiled once
@@ -56,7 +56,7 @@ from numpyro.infer.mcmc import MCMCKernel  # noqa: E402
 from numpyro_fed import ClientPartition  # noqa: E402
 from numpyro_fed.examples import logistic_regression  # noqa: E402
 from numpyro_fed.kernels.langevin import FederatedLangevin  # noqa: E402
-from numpyro_fed.potential import batch_indices  # noqa: E402
+from numpyro_fed.minibatch import batch_indices  # noqa: E402
 
 
 def _sgld(pot, N: int, hand: bool):

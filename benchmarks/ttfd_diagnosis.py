@@ -290,7 +290,7 @@ def _one_bits_scan(kern, steps: int):
     import jax.numpy as jnp
     from jax import lax, random
 
-    from numpyro_fed.potential import _multiply_shift
+    from numpyro_fed.minibatch import _multiply_shift
 
     pot, data, gamma = kern.potential, kern.partition, kern.step_size
     b, d = data.num_clients, pot.dim

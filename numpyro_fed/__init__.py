@@ -6,8 +6,10 @@ An ordinary NumPyro model + a :class:`ClientPartition` of its data -> a NumPyro
 
 from numpyro_fed import compressors, distributed
 from numpyro_fed.bits import BitCounter, counter_value
+from numpyro_fed.cached_mcmc import CachedMCMC
 from numpyro_fed.compilation import enable_compilation_cache
 from numpyro_fed.distributed import shard_kernel, shard_partition
+from numpyro_fed.errors import ConvergenceWarning, DivergenceError, SingularFitWarning
 from numpyro_fed.infdata import communication_summary, to_inference_data
 from numpyro_fed.kernels import (
     BELF,
@@ -18,7 +20,6 @@ from numpyro_fed.kernels import (
     PELF,
     QLSD,
     ULA,
-    DivergenceError,
     FederatedKernel,
     FederatedLangevin,
     FedState,
@@ -28,13 +29,10 @@ from numpyro_fed.kernels import (
 )
 from numpyro_fed.partition import ClientPartition
 from numpyro_fed.potential import FederatedPotential
-from numpyro_fed.runner import CachedMCMC
 from numpyro_fed.saem import (
     SAEM,
-    ConvergenceWarning,
     SAEMResult,
     Schedule,
-    SingularFitWarning,
     SufficientStatistics,
 )
 

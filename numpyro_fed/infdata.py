@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_fed.bits import counter_value
-from numpyro_fed.kernels.langevin import FederatedKernel
+from numpyro_fed.kernels.federated import FederatedKernel
 
 __all__ = ["to_inference_data", "communication_summary"]
 

@@ -39,12 +39,8 @@ Gradient oracles (all vmapped over clients, no Python loop):
   Alg. 2).
 
 **Minibatch scheme.** Each client draws its :math:`n` indices uniformly *with replacement*
-from its :math:`N_i` rows (:func:`batch_indices`), independently across clients and steps. The
-oracle is unbiased and its covariance is exactly
-:math:`(N_i^2/n)\\,\\mathrm{Cov}_j[\\nabla U_{ij}]` (population covariance over the client's
-rows), which is what the closed-form stationary distributions in the tests use. Sampling
-without replacement (``random.choice(replace=False)``) is an order of magnitude slower on CPU
-and is not offered.
+from its :math:`N_i` rows, independently across clients and steps
+(:mod:`numpyro_fed.minibatch`, which also says why).
 """
 
 from __future__ import annotations
@@ -60,13 +56,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import random
-from jax.extend.random import threefry2x32_p
 from jax.flatten_util import ravel_pytree
 from numpyro import handlers
 from numpyro.infer.initialization import init_to_uniform
 from numpyro.infer.util import _unconstrain_reparam, constrain_fn, initialize_model, transform_fn
 
 from numpyro_fed import _programs
+from numpyro_fed.minibatch import (  # batch_indices, client_bits re-exported
+    batch_indices,
+    client_bits,
+    clients_batch_indices,
+)
 from numpyro_fed.partition import ClientPartition
 
 Array = jax.Array
@@ -260,63 +260,6 @@ def _failing_site(model, kwargs: Mapping[str, Any], params: Mapping[str, Array],
     except Exception:  # noqa: BLE001 -- not a failure that a site explains
         return None, None
     return None, None
-
-
-def _threefry_key_words(key: Array):
-    """The two 32-bit words of a Threefry-2x32 key (raw ``uint32[2]`` or typed), else
-    ``None`` (another PRNG implementation)."""
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        if str(random.key_impl(key)) != "threefry2x32":
-            return None
-        key = random.key_data(key)
-    elif str(jax.config.jax_default_prng_impl) != "threefry2x32":
-        return None
-    if key.shape != (2,) or key.dtype != jnp.uint32:
-        return None
-    return key[0], key[1]
-
-
-def client_bits(key: Array, clients: Array | int, n: int) -> Array:
-    """Uniform 32-bit words for the minibatches of ``clients``: shape ``shape(clients) + (n,)``.
-
-    Word ``j`` of client ``i`` is the Threefry-2x32 hash of the counter pair ``(i, j)`` under
-    ``key`` (its two output words XOR-ed, as :func:`jax.random.bits` does with its counters),
-    so a client draws its own words without the others' and the kernels draw all ``b``
-    clients' words with one hash call, without first deriving a key per client (on CPU every
-    Threefry call is a loop of its own: this saves one per minibatch step). Under another
-    PRNG implementation client ``i`` uses ``random.bits(fold_in(key, i), (n,))``; RBG keys
-    are not ``vmap``-invariant, so with them a deployed client does not reproduce the
-    in-process words (Threefry, JAX's default, does)."""
-    clients = jnp.asarray(clients)
-    words = _threefry_key_words(key)
-    if words is None:
-        one = lambda i: random.bits(random.fold_in(key, i), (n,), jnp.uint32)  # noqa: E731
-        return jnp.vectorize(one, signature="()->(n)")(clients)
-    shape = (*clients.shape, n)
-    i = jnp.broadcast_to(clients.astype(jnp.uint32)[..., None], shape)
-    j = jnp.broadcast_to(jnp.arange(n, dtype=jnp.uint32), shape)
-    y1, y2 = threefry2x32_p.bind(words[0], words[1], i, j)
-    return y1 ^ y2
-
-
-def batch_indices(key: Array, client: Array | int, size: Array, batch_size: int,
-                  max_size: int) -> Array:
-    """Client ``client``'s minibatch: ``batch_size`` row indices uniform on ``0..size-1``
-    with replacement (see :meth:`FederatedPotential.sample_batch`), from the step's shared
-    minibatch ``key``. ``max_size`` (static: the padded length) selects the exact
-    multiply-shift map of :func:`client_bits` words below :math:`2^{16}` rows, else
-    ``random.randint`` with the key ``fold_in(key, client)``. Deployments
-    (:mod:`numpyro_fed.flower`) call this with their own index to draw the same rows as the
-    in-process kernels."""
-    if max_size < (1 << 16):
-        return _multiply_shift(client_bits(key, client, batch_size), size)
-    return random.randint(random.fold_in(key, client), (batch_size,), 0, size)
-
-
-def _multiply_shift(u: Array, size: Array) -> Array:
-    """:math:`\\lfloor u N / 2^{32}\\rfloor` in exact 32-bit arithmetic for :math:`N < 2^{16}`."""
-    n = jnp.asarray(size).astype(jnp.uint32)
-    return (((u >> 16) * n + (((u & 0xFFFF) * n) >> 16)) >> 16).astype(jnp.int32)
 
 
 class FederatedPotential:
@@ -557,21 +500,12 @@ class FederatedPotential:
 
         Indices use the multiply-shift map :math:`j = \\lfloor u N_i / 2^{32}\\rfloor` of a
         32-bit random word :math:`u` (Lemire 2019; the words of all clients come from one
-        Threefry call on the counters ``(client, j)``, :func:`client_bits`), in exact integer
-        arithmetic: every row has
+        Threefry call on the counters ``(client, j)``,
+        :func:`~numpyro_fed.minibatch.client_bits`), in exact integer arithmetic: every row has
         probability within a relative :math:`N_i/2^{32}` (< 1.6e-5) of :math:`1/N_i`. It is
         4x faster and compiles 2x faster than ``random.randint`` with per-client bounds.
         Clients with :math:`\\ge 2^{16}` rows use ``random.randint``."""
-        clients = jnp.arange(data.num_clients)
-        # all clients' words in one hash call. (Not `vmap(batch_indices)`: inside the kernels'
-        # chain vmap that fails to lower on CPU, a carry-type mismatch in the rolled Threefry
-        # loop, seen with vectorized minibatch ELF chains.)
-        if data.max_size < (1 << 16):
-            u = client_bits(key, clients, batch_size)
-            idx = jax.vmap(_multiply_shift)(u, data.sizes)
-        else:
-            idx = jax.vmap(lambda i, size: batch_indices(key, i, size, batch_size,
-                                                         data.max_size))(clients, data.sizes)
+        idx = clients_batch_indices(key, data.sizes, batch_size, data.max_size)
         return jax.vmap(lambda rows, ix: jax.tree.map(lambda a: a[ix], rows))(data.data, idx)
 
     def batch_grads(self, key: Array, theta: Array, data: ClientPartition, batch_size: int):

@@ -36,8 +36,8 @@ from numpyro_fed import (
     CachedMCMC,
     ClientPartition,
     FederatedLangevin,
+    cached_mcmc,
     compressors,
-    runner,
 )
 from numpyro_fed.algorithms.oracles import ClientProblem
 from numpyro_fed.potential import FederatedPotential
@@ -156,7 +156,7 @@ def _check(kernel, change, args=lambda: (), kwargs=lambda: None) -> tuple[dict, 
     before = _run(_cached, kernel, args(), kwargs())
     change()
     after = _run(_cached, kernel, args(), kwargs())
-    runner.clear_cache()
+    cached_mcmc.clear_cache()
     fresh = _run(MCMC, kernel, args(), kwargs())
     _assert_same(after, fresh)
     assert any(not np.array_equal(before[k], after[k]) for k in before), \
@@ -278,7 +278,7 @@ def test_jax_enable_x64_toggled(name):
     before = _run(_cached, kernel, args)
     with jax.enable_x64(True):
         after = _run(_cached, kernel, args)
-        runner.clear_cache()
+        cached_mcmc.clear_cache()
         fresh = _run(MCMC, kernel, args)
     assert not jax.config.jax_enable_x64
     _assert_same(after, fresh)
@@ -330,7 +330,7 @@ def test_potential_initialiser_reads_the_model_now(restore_loc):
     x0 = np.asarray(pot.init_params(key, init_to_sample))
     LOC = 50.0
     x1 = np.asarray(pot.init_params(key, init_to_sample))
-    runner.clear_cache()
+    cached_mcmc.clear_cache()
     fresh = np.asarray(FederatedPotential(global_model, _partition()).init_params(
         key, init_to_sample))
     np.testing.assert_array_equal(x1, fresh)
@@ -392,7 +392,7 @@ def test_kernel_init_reads_the_model_and_attributes_now(name, restore_loc):
     else:
         kernel.participation = 0.5
     s1 = init(kernel)
-    runner.clear_cache()
+    cached_mcmc.clear_cache()
     fresh = _kernel(name)
     if name == "delf":
         fresh.uplink = compressors.top_k(2)
@@ -423,7 +423,7 @@ def test_qlsd_star_centring_follows_the_model(restore_loc):
     np.testing.assert_array_equal(np.asarray(kernel.theta_star), t0)
     LOC = 50.0
     after = _run(_cached, kernel)
-    runner.clear_cache()
+    cached_mcmc.clear_cache()
     fresh_kernel = make()
     fresh = _run(MCMC, fresh_kernel)
     _assert_same(after, fresh)
@@ -462,7 +462,7 @@ def test_saem_reads_a_changed_global():
         first = fit()
         SAEM_LOC_SCALE = 3.0
         second = fit()
-        runner.clear_cache()
+        cached_mcmc.clear_cache()
         fresh = fit()
     finally:
         SAEM_LOC_SCALE = 1.0

@@ -197,25 +197,25 @@ def test_cached_mcmc_cache_key_and_clear():
     adaptation schedule reads ``num_warmup``) is a new loop."""
     from jax import random
 
-    from numpyro_fed import MALA, CachedMCMC, runner
+    from numpyro_fed import MALA, CachedMCMC, cached_mcmc
 
-    runner.clear_cache()
-    assert runner.cached_loops() == 0
+    cached_mcmc.clear_cache()
+    assert cached_mcmc.cached_loops() == 0
     kernel = _toy_kernel("lmc")
     CachedMCMC(kernel, num_warmup=0, num_samples=5, progress_bar=False).run(random.key(0))
-    assert runner.cached_loops() == 1
+    assert cached_mcmc.cached_loops() == 1
     CachedMCMC(kernel, num_warmup=3, num_samples=5, progress_bar=False).run(random.key(0))
-    assert runner.cached_loops() == 1
+    assert cached_mcmc.cached_loops() == 1
     CachedMCMC(_toy_kernel("lmc"), num_warmup=0, num_samples=5,
                progress_bar=False).run(random.key(0))
-    assert runner.cached_loops() == 1
+    assert cached_mcmc.cached_loops() == 1
     mala = MALA(kernel.potential.pooled_model(), step_size=1e-2)
     for warmup in (2, 3, 2):
         CachedMCMC(mala, num_warmup=warmup, num_samples=5,
                    progress_bar=False).run(random.key(0))
-    assert runner.cached_loops() == 3
-    runner.clear_cache()
-    assert runner.cached_loops() == 0
+    assert cached_mcmc.cached_loops() == 3
+    cached_mcmc.clear_cache()
+    assert cached_mcmc.cached_loops() == 0
 
 
 def test_cached_mcmc_changed_settings_or_data_is_a_new_loop():
@@ -226,12 +226,12 @@ def test_cached_mcmc_changed_settings_or_data_is_a_new_loop():
     from jax import random
     from numpyro.infer import MCMC
 
-    from numpyro_fed import ULA, CachedMCMC, runner
+    from numpyro_fed import ULA, CachedMCMC, cached_mcmc
 
     def model(x):
         numpyro.sample("m", dist.Normal(x.mean(), 1.0))
 
-    runner.clear_cache()
+    cached_mcmc.clear_cache()
     x = np.zeros(4, np.float32)
     kernel = ULA(model, step_size=0.1)
 
@@ -249,7 +249,7 @@ def test_cached_mcmc_changed_settings_or_data_is_a_new_loop():
     second = both()
     x[:] = 3.0  # in place: same object, new content
     third = both()
-    assert runner.cached_loops() == 3
+    assert cached_mcmc.cached_loops() == 3
     assert not np.array_equal(first, second) and not np.array_equal(second, third)
 
 

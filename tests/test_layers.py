@@ -10,7 +10,7 @@ implicit edge is not counted.
 
 Layers, bottom to top (a module may import its own layer and the layers below it):
 
-0. base: compressors, partition, potential, bits, compilation, validation;
+0. base: errors, minibatch, compressors, partition, potential, bits, compilation, validation;
 1. algorithms: the pure algorithm pieces;
 2. kernels: the NumPyro kernels;
 3. deployment and applications of the kernels: distributed, flower, infdata, saem;
@@ -35,6 +35,8 @@ LAYERS: dict[str, int] = {
     "numpyro_fed.bits": 0,
     "numpyro_fed.compilation": 0,
     "numpyro_fed.compressors": 0,
+    "numpyro_fed.errors": 0,
+    "numpyro_fed.minibatch": 0,
     "numpyro_fed.partition": 0,
     "numpyro_fed.potential": 0,
     "numpyro_fed._validation": 0,
@@ -45,7 +47,7 @@ LAYERS: dict[str, int] = {
     "numpyro_fed.distributed": 3,
     "numpyro_fed.flower": 3,
     "numpyro_fed.infdata": 3,
-    "numpyro_fed.runner": 3,
+    "numpyro_fed.cached_mcmc": 3,
     "numpyro_fed.saem": 3,
     "numpyro_fed.nlme": 4,
     "numpyro_fed.examples": 4,

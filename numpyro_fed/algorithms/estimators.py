@@ -24,7 +24,7 @@ triple of pure functions on arrays, with its own state NamedTuple:
 functions of the clients it serves. The in-process kernels pass
 :class:`StackedClients` (all clients of a partition at once: every array gets a leading
 client axis ``b``, and the minibatch rows of all clients come from one hash call, see
-:func:`~numpyro_fed.potential.client_bits`); a deployed client (:mod:`numpyro_fed.flower`)
+:func:`~numpyro_fed.minibatch.client_bits`); a deployed client (:mod:`numpyro_fed.flower`)
 passes its own :class:`~numpyro_fed.algorithms.oracles.ClientProblem` (arrays of one client).
 The estimator's arithmetic is elementwise in the client axis, so the same code is the client
 half of both, with the same random words for client :math:`i`.

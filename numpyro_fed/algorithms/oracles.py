@@ -3,7 +3,7 @@
 
 In process, a kernel computes every client's oracle at once, ``vmap``-ed over the padded
 client axis, with client ``i`` drawing its minibatch from the words ``(i, j)`` of the step's
-batch key (:func:`~numpyro_fed.potential.client_bits`) and compressing with
+batch key (:func:`~numpyro_fed.minibatch.client_bits`) and compressing with
 ``random.split(k, b)[i]``. :class:`ClientProblem` computes the same quantities for a single
 client that holds only its own (unpadded) rows -- what a Flower ``ClientApp`` runs -- with
 the same random keys, so a deployment reproduces the in-process chain up to floating-point
@@ -23,8 +23,9 @@ from jax import random
 
 from numpyro_fed import _programs
 from numpyro_fed._validation import check_int
+from numpyro_fed.minibatch import batch_indices
 from numpyro_fed.partition import ClientPartition
-from numpyro_fed.potential import FederatedPotential, batch_indices
+from numpyro_fed.potential import FederatedPotential
 
 __all__ = ["ClientProblem", "client_key", "batch_indices"]  # batch_indices re-exported
 
@@ -143,7 +144,7 @@ class ClientProblem:
     def oracle(self, key: jax.Array, theta: jax.Array, batch_size: int | None) -> jax.Array:
         """:math:`H_i(\\theta)`: exact gradient, or the minibatch oracle drawn from the
         step's batch key ``k_batch`` (shared by all clients; this client uses its own words of
-        it, see :func:`~numpyro_fed.potential.client_bits`)."""
+        it, see :func:`~numpyro_fed.minibatch.client_bits`)."""
         if batch_size is None:
             return self.full_grad(theta)
         return self.batch_grad(key, theta, batch_size)

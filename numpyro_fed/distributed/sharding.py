@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from numpyro_fed.kernels.langevin import FederatedKernel
+from numpyro_fed.kernels.federated import FederatedKernel
 from numpyro_fed.partition import ClientPartition
 
 __all__ = ["client_mesh", "client_sharding", "shard_partition", "shard_kernel", "CLIENT_AXIS"]
@@ -174,7 +174,7 @@ def shard_kernel(kernel: Any, mesh: Mesh | Sequence[Any] | None = None) -> Any:
         kernel = shard_kernel(QLSD(model, clients, variant="++", step_size=1e-4, bits=4))
         MCMC(kernel, num_warmup=1000, num_samples=5000).run(random.key(0))
 
-    :param kernel: a :class:`~numpyro_fed.kernels.langevin.FederatedKernel` (QLSD, ELF, ...).
+    :param kernel: a :class:`~numpyro_fed.kernels.federated.FederatedKernel` (QLSD, ELF, ...).
     :param mesh: a mesh with a ``"clients"`` axis, a sequence of devices, or ``None``.
     :raises ValueError: when the number of clients is not a multiple of the device count;
         at ``init`` under ``MCMC(chain_method="parallel")`` (or ``jax.pmap``): the devices

@@ -49,6 +49,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from numpyro_fed.errors import (  # re-exported: defined here before errors.py
+    ClientMismatchError,
+    DeploymentError,
+    ParticipationError,
+)
 from numpyro_fed.potential import _log_parts
 
 __all__ = [
@@ -70,41 +75,6 @@ __all__ = [
     "nonfinite_rows_message",
     "ParticipationMonitor",
 ]
-
-
-# =============================================================================== errors
-class DeploymentError(RuntimeError):
-    """A Flower deployment cannot go on without sampling another target than its spec's:
-    clients missing or announcing the same partition id at ``hello``, a client running
-    another model or other settings (:class:`ClientMismatchError`), clients that stopped
-    answering (:class:`ParticipationError`). The message names the clients / rounds at fault
-    and what to do."""
-
-
-class ClientMismatchError(DeploymentError):
-    """A client computes another potential than the server's model and spec (another model
-    or version of the model module, another likelihood weight, other settings).
-
-    ``clients``: the partition ids of the refused clients."""
-
-    clients: list[int]
-
-    def __init__(self, message: str, clients: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.clients = [int(i) for i in clients]
-
-
-class ParticipationError(DeploymentError):
-    """The clients stopped answering: too many consecutive rounds without a participant,
-    or a share of answered requests far below ``min_participation``.
-
-    ``rounds``: the rounds at fault (0-based step indices)."""
-
-    rounds: list[int]
-
-    def __init__(self, message: str, rounds: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.rounds = [int(k) for k in rounds]
 
 
 # ====================================================================== spec fingerprint

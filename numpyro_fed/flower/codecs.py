@@ -35,6 +35,7 @@ import numpy as np
 from jax import lax
 
 from numpyro_fed.compressors import Compressor, CompressorSpec, ceil_log2, get_compressor
+from numpyro_fed.errors import WireFormatError  # re-exported: defined here before errors.py
 
 __all__ = [
     "WireCodec",
@@ -45,10 +46,6 @@ __all__ = [
     "deployable_spec",
     "wire_codec",
 ]
-
-
-class WireFormatError(ValueError):
-    """A received message is malformed, oversized or inconsistent with its codec."""
 
 
 # ----------------------------------------------------------------------------- bit streams

@@ -1,16 +1,10 @@
 """NumPyro MCMC kernels: ULA, MALA and the federated Langevin family."""
 
-from numpyro_fed.kernels.base import DivergenceError, DivergenceGuard
+from numpyro_fed.errors import DivergenceError
+from numpyro_fed.kernels.base import DivergenceGuard
 from numpyro_fed.kernels.elf import BELF, DELF, ELF, PELF, ELFState
-from numpyro_fed.kernels.langevin import (
-    MALA,
-    ULA,
-    FederatedKernel,
-    FederatedLangevin,
-    FedState,
-    LangevinState,
-    MALAState,
-)
+from numpyro_fed.kernels.federated import FederatedKernel, FedState
+from numpyro_fed.kernels.langevin import MALA, ULA, FederatedLangevin, LangevinState, MALAState
 from numpyro_fed.kernels.qlsd import LSD, QLSD, QLSDPlusPlus, QLSDSharp, QLSDStar
 
 __all__ = [

@@ -20,6 +20,7 @@ from numpyro.util import is_prng_key
 
 from numpyro_fed._validation import check_positive_float
 from numpyro_fed.algorithms.langevin import langevin_move  # noqa: F401  (re-exported)
+from numpyro_fed.errors import DivergenceError  # re-exported: its home before errors.py
 
 __all__ = [
     "split_chain_keys",
@@ -31,16 +32,56 @@ __all__ = [
 ]
 
 
-class DivergenceError(FloatingPointError):
-    """A chain left the finite numbers (usually: the step size is too large).
+_DIVERGED = (
+    "numpyro_fed: {kernel} chain{{chain}} became non-finite at iteration {{iteration}} "
+    "(counting warmup) with step_size={step_size:.3g}. Reduce `step_size` (or check the "
+    "model for invalid values)."
+)
 
-    Raised directly by ``MCMC.run`` (not wrapped in a JAX runtime error). Attributes:
-    ``iteration`` -- the first non-finite iteration (counting warmup, from 1) when known;
-    ``chain`` -- the index of the first diverging vectorized chain, or ``None``.
-    """
 
-    iteration: int | None = None
-    chain: int | None = None
+_FIELD_HINTS = {
+    ("FedState", "potential_energy"): (
+        "the kernel was built without `track_potential=True` (clients send gradients only; "
+        "with it, every client also evaluates U_i on all its rows and sends it, 32 bits per "
+        "client and step)"),
+    ("FedState", "accept_prob"): "the federated kernels are unadjusted (no accept step)",
+    ("LangevinState", "accept_prob"): "ULA is unadjusted (no accept step); MALA records it",
+    ("FedState", "diverging"): (
+        "a chain that becomes non-finite stops the run with numpyro_fed.DivergenceError"),
+    ("LangevinState", "diverging"): (
+        "a chain that becomes non-finite stops the run with numpyro_fed.DivergenceError"),
+    ("MALAState", "diverging"): (
+        "MALA has no energy-error divergence: a non-finite chain stops the run with "
+        "numpyro_fed.DivergenceError, and non-finite proposals are rejected"),
+}
+
+
+def _missing_field(state: Any, name: str) -> AttributeError:
+    """The error for a field NumPyro users request of HMC (``extra_fields=...``) that this
+    kernel's state does not have: it names the field, says why, and lists what exists."""
+    cls = type(state).__name__
+    if name.startswith("__"):
+        return AttributeError(name)
+    hint = _FIELD_HINTS.get((cls, name))
+    props = [n for n in ("bits_up", "bits_down") if hasattr(type(state), n)]
+    return AttributeError(
+        f"{cls} has no field {name!r}" + (f": {hint}" if hint else "") + ". Fields that "
+        f"`extra_fields` can collect: {list(state._fields) + props} (and dotted sub-fields "
+        "such as 'extra.participants')."
+    )
+
+
+def _state_getattr(state: Any, name: str):
+    """``__getattr__`` of the kernels' states: a missing field is explained."""
+    raise _missing_field(state, name)
+
+
+def _state_getitem(state: Any, key):
+    """``__getitem__`` of the kernels' states: NumPyro's field getter tries ``state[name]``
+    after ``getattr``, which must explain a missing field too."""
+    if isinstance(key, str):
+        raise _missing_field(state, key)
+    return tuple.__getitem__(state, key)
 
 
 def split_chain_keys(rng_key) -> tuple[bool, Any]:

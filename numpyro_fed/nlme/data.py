@@ -135,6 +135,7 @@ def _positions(codes: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 def _pad(
     codes: np.ndarray, pos: np.ndarray, values: np.ndarray, shape: tuple[int, int], fill, dtype
 ) -> np.ndarray:
+    """``values`` at ``(codes, pos)`` of an array of ``shape`` filled with ``fill``."""
     out = np.full(shape, fill, dtype=dtype)
     out[codes, pos] = values
     return out
@@ -218,6 +219,639 @@ def _sorted_labels(values: pd.Series, name: Hashable) -> list:
                 f"strings)."
             ) from e
     return [v.item() if isinstance(v, np.generic) else v for v in labels]
+
+
+# ----------------------------------------------------------------------------- the checks
+# :meth:`PKDataset.from_dataframe` is the pipeline of the functions below, run in this order
+# (the first fault found is the one reported, so the order is part of the behaviour): the
+# frame and its column mapping, the subject IDs, then one check per NONMEM item, the table
+# as a whole (float range, duplicated rows, subjects without observations), the padded
+# arrays and the covariates.
+
+
+class _Table(NamedTuple):
+    """The input table as the checks read it: the frame, the column of each NONMEM item
+    (``None``: absent), the keywords as given (named in some messages), the row labels, the
+    subject ID of each row, its subject code (position among the sorted IDs) and the sorted
+    IDs."""
+
+    df: pd.DataFrame
+    cols: dict[str, Hashable | None]
+    given: dict[str, Hashable | None]
+    labels: np.ndarray
+    sid: np.ndarray
+    code: np.ndarray
+    ids: list
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.df)
+
+    @property
+    def n_sub(self) -> int:
+        return len(self.ids)
+
+    @property
+    def used(self) -> list:
+        """The columns mapped to a NONMEM item."""
+        return [c for c in self.cols.values() if c is not None]
+
+    def where(self, i: int) -> str:
+        """Row ``i`` named for a message: its subject and its index label."""
+        return f"subject {_py(self.sid[i])!r}, row {_label(self.labels, i)!r}"
+
+    def num(self, kw: str) -> np.ndarray | None:
+        """Item ``kw`` as float64 (``None`` when the table lacks it), see :func:`_to_numeric`."""
+        c = self.cols[kw]
+        return None if c is None else _to_numeric(self.df, c, kw, self.labels, self.sid)
+
+    def opt(self, kw: str) -> np.ndarray:
+        """An optional item read as NONMEM reads it: absent or missing is 0."""
+        v = self.num(kw)
+        return np.zeros(self.n_rows) if v is None else np.nan_to_num(v, nan=0.0)
+
+
+class _Kinds(NamedTuple):
+    """What each row is (from ``EVID``/``MDV``), with the ``AMT`` and ``DV`` columns read."""
+
+    amt: np.ndarray | None
+    dv: np.ndarray
+    ev: np.ndarray
+    is_dose: np.ndarray
+    is_obs: np.ndarray
+    reason: np.ndarray  # why a row is in no array ("" for the rows used)
+
+
+class _Dosing(NamedTuple):
+    """The dose items of every row (0 where absent or missing)."""
+
+    amt: np.ndarray
+    rate: np.ndarray
+    ss: np.ndarray
+    ii: np.ndarray
+
+
+class _Censoring(NamedTuple):
+    """Censoring of the observations: the flag, the ``LLOQ`` column (``None``: absent), the
+    limit of each row (``LLOQ`` if set, else ``DV``) and the ``DV`` an observation gets."""
+
+    censored: np.ndarray
+    lloq: np.ndarray | None
+    limit: np.ndarray
+    dv_obs: np.ndarray
+
+
+class _Layout(NamedTuple):
+    """Where the observation and dose rows go in the padded arrays."""
+
+    obs_rows: np.ndarray
+    dose_rows: np.ndarray
+    oc: np.ndarray
+    opos: np.ndarray
+    ocount: np.ndarray
+    dc: np.ndarray
+    dpos: np.ndarray
+    dcount: np.ndarray
+    so: tuple[int, int]
+    sd: tuple[int, int]
+
+
+def _check_frame(df: Any, dtype: Any) -> np.dtype:
+    """The input is a non-empty DataFrame with distinct column names; ``dtype`` is a float
+    dtype (returned as a :class:`numpy.dtype`)."""
+    if not isinstance(df, pd.DataFrame):
+        raise TypeError(f"df must be a pandas DataFrame, got {type(df).__name__}.")
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f":
+        raise TypeError(f"dtype must be a floating dtype (e.g. np.float32), got {dtype}.")
+    if len(df) == 0:
+        raise ValueError("df is empty: a dataset needs at least one observation row.")
+    if df.columns.has_duplicates:
+        dup = sorted({str(c) for c in df.columns[df.columns.duplicated()]})
+        raise ValueError(f"df has duplicated column names {dup}: rename them.")
+    return dtype
+
+
+def _map_columns(df: pd.DataFrame, given: dict[str, Hashable | None]
+                 ) -> dict[str, Hashable | None]:
+    """The column of each NONMEM item (``None``: not in the table): the required items
+    (``ID``, ``TIME``, ``DV``) are present, and no column holds two items."""
+    present = list(df.columns)
+    cols: dict[str, Hashable | None] = {}
+    for kw, name in given.items():
+        if name is not None and name in df.columns:
+            cols[kw] = name
+        elif kw in _REQUIRED:
+            raise ValueError(
+                f"required column {name!r} ({_STANDARD[kw]}) is not in df; columns "
+                f"present: {present}. Map yours with {kw}='<column name>'."
+            )
+        else:
+            cols[kw] = None
+    used = [c for c in cols.values() if c is not None]
+    if len(set(used)) != len(used):
+        raise ValueError(
+            f"one column is mapped to two NONMEM items: {cols}; give each keyword its own "
+            "column."
+        )
+    return cols
+
+
+def _read_ids(df: pd.DataFrame, cols: dict, given: dict) -> _Table:
+    """Every row has a subject ID, and the IDs can be sorted (subjects are sorted by ID)."""
+    labels = df.index.to_numpy()
+    id_values = df[cols["id"]]
+    if id_values.isna().any():
+        i = int(np.flatnonzero(id_values.isna().to_numpy())[0])
+        raise ValueError(
+            f"column {cols['id']!r} (id=) is missing at row {_label(labels, i)!r}: every "
+            "row needs a subject ID."
+        )
+    uniq = pd.unique(id_values)
+    try:
+        ids_sorted = sorted(uniq)
+    except TypeError as e:
+        raise ValueError(
+            f"column {cols['id']!r} (id=) mixes values that cannot be sorted: give the IDs "
+            "one type."
+        ) from e
+    code = pd.Index(ids_sorted).get_indexer(id_values).astype(np.int64)
+    return _Table(df, cols, given, labels, id_values.to_numpy(), code, ids_sorted)
+
+
+def _check_times(tab: _Table) -> np.ndarray:
+    """``TIME`` is numeric, finite and >= 0 on every row; returns it."""
+    t = tab.num("time")
+    col = tab.cols["time"]
+    bad = np.flatnonzero(~np.isfinite(t))
+    if bad.size:
+        raise ValueError(
+            f"column {col!r} (time=) is missing or infinite at {tab.where(bad[0])} "
+            f"({bad.size} row(s)): every row needs a finite time."
+        )
+    bad = np.flatnonzero(t < 0)
+    if bad.size:
+        raise ValueError(
+            f"column {col!r} (time=) is negative ({t[bad[0]]}) at {tab.where(bad[0])}: "
+            "times must be >= 0 (shift each subject's times so that they start at 0)."
+        )
+    return t
+
+
+def _row_kinds(tab: _Table) -> _Kinds:
+    """The kind of each row from ``EVID`` and ``MDV`` (``AMT`` and ``DV`` numeric first):
+    ``EVID`` known and not a reset, an amount column when there are doses, ``MDV`` 0/1 on
+    observation rows; without ``EVID`` a row with ``AMT > 0`` is a dose, without ``MDV``
+    doses have 1 and observations 0."""
+    cols, n_rows = tab.cols, tab.n_rows
+    amt_v = tab.num("amt")
+    dv_v = tab.num("dv")
+    if cols["evid"] is not None:
+        ev = tab.num("evid")
+        bad = np.flatnonzero(np.isnan(ev))
+        if bad.size:
+            raise ValueError(
+                f"column {cols['evid']!r} (evid=) is missing at {tab.where(bad[0])}: set it "
+                "to 0 (observation), 1 (dose) or 2 (other event)."
+            )
+        bad = np.flatnonzero(~np.isin(ev, (0, 1, 2, 3, 4)))
+        if bad.size:
+            raise ValueError(
+                f"column {cols['evid']!r} (evid=) has the unknown code {ev[bad[0]]:g} at "
+                f"{tab.where(bad[0])}: use 0 (observation), 1 (dose) or 2 (other event)."
+            )
+        bad = np.flatnonzero(np.isin(ev, (3, 4)))
+        if bad.size:
+            raise ValueError(
+                f"EVID={ev[bad[0]]:g} (reset{' and dose' if ev[bad[0]] == 4 else ''}) at "
+                f"{tab.where(bad[0])} ({cols['evid']!r}, evid=) is not supported: split the "
+                "subject's record at the reset into two subjects, or remove the reset."
+            )
+        ev = ev.astype(np.int64)
+        if amt_v is None and np.any(ev == 1):
+            raise ValueError(
+                f"df has dose rows (EVID=1) but no amount column {tab.given['amt']!r}; "
+                f"columns present: {list(tab.df.columns)}. Map yours with "
+                "amt='<column name>'."
+            )
+    else:
+        ev = np.zeros(n_rows, dtype=np.int64)
+        if amt_v is not None:
+            ev[np.nan_to_num(amt_v) > 0] = 1
+    is_dose = ev == 1
+    if cols["mdv"] is not None:
+        md = tab.num("mdv")
+        bad = np.flatnonzero((ev == 0) & ~np.isin(md, (0, 1)))
+        if bad.size:
+            raise ValueError(
+                f"column {cols['mdv']!r} (mdv=) must be 0 or 1 on observation rows; it is "
+                f"{md[bad[0]]} at {tab.where(bad[0])}."
+            )
+    else:
+        md = np.where(is_dose, 1.0, 0.0)
+    is_obs = (ev == 0) & (md == 0)
+    reason = np.full(n_rows, "", dtype=object)
+    reason[(ev == 0) & (md == 1)] = "MDV=1"
+    reason[ev == 2] = "EVID=2"
+    return _Kinds(amt_v, dv_v, ev, is_dose, is_obs, reason)
+
+
+def _check_time_order(tab: _Table, t: np.ndarray) -> None:
+    """``TIME`` does not decrease along the rows of a subject (all rows: they order the
+    covariates too)."""
+    code, labels, sid = tab.code, tab.labels, tab.sid
+    order = np.argsort(code, kind="stable")
+    same = code[order][1:] == code[order][:-1]
+    back = np.flatnonzero(same & (t[order][1:] < t[order][:-1]))
+    if back.size:
+        i, j = order[back[0]], order[back[0] + 1]
+        raise ValueError(
+            f"column {tab.cols['time']!r} (time=) decreases within subject {_py(sid[j])!r}: "
+            f"row {_label(labels, j)!r} (time {t[j]:g}) comes after row "
+            f"{_label(labels, i)!r} (time {t[i]:g}). Sort each subject's rows by time "
+            "(keeping the record order of equal times)."
+        )
+
+
+def _check_compartments(tab: _Table, kinds: _Kinds) -> np.ndarray:
+    """``CMT`` is a positive integer on doses and a non-negative one on observations (0 or
+    missing: the model's observed compartment); returns it (1 on other rows; without the
+    column: 1 on doses, 0 on observations)."""
+    is_dose, is_obs = kinds.is_dose, kinds.is_obs
+    if tab.cols["cmt"] is None:
+        return np.where(is_obs, 0.0, 1.0)
+    cm = tab.num("cmt")
+    # an observation with CMT 0 or missing: the model's observed compartment (0)
+    cm = np.where(is_obs & np.isnan(cm), 0.0, cm)
+    bad = np.flatnonzero(
+        (is_dose & ~(_is_integer(cm) & (cm >= 1)))
+        | (is_obs & ~(_is_integer(cm) & (cm >= 0)))
+    )
+    if bad.size:
+        raise ValueError(
+            f"column {tab.cols['cmt']!r} (cmt=) must be a positive integer (1-based NONMEM "
+            f"compartment) on dose and observation rows (0 or missing on an "
+            f"observation row: the model's observed compartment); it is {cm[bad[0]]} "
+            f"at {tab.where(bad[0])}."
+        )
+    return np.where(is_dose | is_obs, cm, 1.0)
+
+
+def _check_doses(tab: _Table, kinds: _Kinds) -> _Dosing:
+    """Every dose has a finite ``AMT > 0``, a supported ``RATE`` (0 or a positive rate, not
+    NONMEM's modelled -1/-2), ``SS`` 0/1, a finite ``II >= 0`` and ``II > 0`` at steady
+    state."""
+    cols, is_dose, where = tab.cols, kinds.is_dose, tab.where
+    amt0 = np.zeros(tab.n_rows) if kinds.amt is None else kinds.amt
+    bad = np.flatnonzero(is_dose & ~(np.isfinite(amt0) & (amt0 > 0)))
+    if bad.size:
+        raise ValueError(
+            f"dose (EVID=1) with amount {cols['amt']!r} (amt=) = {amt0[bad[0]]} at "
+            f"{where(bad[0])}: a dose needs a finite AMT > 0 (set the amount, or make the "
+            "row EVID=2 if it is no dose)."
+        )
+    rt = tab.opt("rate")
+    bad = np.flatnonzero(is_dose & np.isin(rt, (-1, -2)))
+    if bad.size:
+        raise ValueError(
+            f"RATE={rt[bad[0]]:g} (modelled {'rate' if rt[bad[0]] == -1 else 'duration'}) at "
+            f"{where(bad[0])} ({cols['rate']!r}, rate=) is not supported: give RATE "
+            "explicitly (AMT / infusion duration), or 0 for a bolus."
+        )
+    bad = np.flatnonzero(is_dose & ~(np.isfinite(rt) & (rt >= 0)))
+    if bad.size:
+        raise ValueError(
+            f"column {cols['rate']!r} (rate=) is {rt[bad[0]]} at {where(bad[0])}: RATE must "
+            "be 0 (bolus) or a finite positive infusion rate."
+        )
+    ss_v = tab.opt("ss")
+    bad = np.flatnonzero(is_dose & ~np.isin(ss_v, (0, 1)))
+    if bad.size:
+        raise ValueError(
+            f"SS={ss_v[bad[0]]:g} at {where(bad[0])} ({cols['ss']!r}, ss=) is not "
+            "supported: SS must be 0 or 1 (steady state with interval II)."
+        )
+    ii_v = tab.opt("ii")
+    bad = np.flatnonzero(is_dose & ~(np.isfinite(ii_v) & (ii_v >= 0)))
+    if bad.size:
+        raise ValueError(
+            f"column {cols['ii']!r} (ii=) is {ii_v[bad[0]]} at {where(bad[0])}: the "
+            "interdose interval II must be finite and >= 0."
+        )
+    bad = np.flatnonzero(is_dose & (ss_v == 1) & ~(ii_v > 0))
+    if bad.size:
+        ii_name = cols["ii"] if cols["ii"] is not None else tab.given["ii"]
+        raise ValueError(
+            f"steady-state dose (SS=1) at {where(bad[0])} has no interdose interval: set "
+            f"II > 0 in column {ii_name!r} (ii=) on that row."
+        )
+    return _Dosing(amt0, rt, ss_v, ii_v)
+
+
+def _check_no_additional_doses(tab: _Table) -> None:
+    """No unmapped ``ADDL`` column holds additional doses (one row per dose is needed)."""
+    used = tab.used
+    for name in tab.df.columns:
+        if str(name).upper() == "ADDL" and name not in used:
+            ad = _to_numeric(tab.df, name, "ADDL", tab.labels, tab.sid)
+            bad = np.flatnonzero(np.nan_to_num(ad) != 0)
+            if bad.size:
+                raise ValueError(
+                    f"additional doses (column {name!r}) at {tab.where(bad[0])} are not "
+                    "supported: write one row per dose (EVID=1 at each dosing time)."
+                )
+
+
+def _check_observations(tab: _Table, kinds: _Kinds) -> _Censoring:
+    """``CENS`` is 0/1 on observations, a censored observation has a limit (``LLOQ`` or
+    ``DV``), and an uncensored one a finite ``DV``."""
+    cols, is_obs, dv_v, where = tab.cols, kinds.is_obs, kinds.dv, tab.where
+    ce = tab.opt("cens")
+    bad = np.flatnonzero(is_obs & ~np.isin(ce, (0, 1)))
+    if bad.size:
+        what = " (above a limit)" if ce[bad[0]] == -1 else ""
+        raise ValueError(
+            f"CENS={ce[bad[0]]:g}{what} at {where(bad[0])} ({cols['cens']!r}, cens=) is not "
+            "supported: CENS must be 0 or 1 (1 = below the lower limit of quantification)."
+        )
+    censored = is_obs & (ce == 1)
+    lq = tab.num("lloq")
+    limit = np.full(tab.n_rows, np.nan) if lq is None else lq.copy()
+    limit = np.where(np.isfinite(limit), limit, dv_v)
+    bad = np.flatnonzero(censored & ~np.isfinite(limit))
+    if bad.size:
+        raise ValueError(
+            f"censored observation (CENS=1) at {where(bad[0])} has no limit: give the "
+            f"limit of quantification in column {tab.given['lloq']!r} (lloq=) or in DV."
+        )
+    bad = np.flatnonzero(is_obs & ~censored & ~np.isfinite(dv_v))
+    if bad.size:
+        raise ValueError(
+            f"observation (EVID=0, MDV=0) with {cols['dv']!r} (dv=) = {dv_v[bad[0]]} at "
+            f"{where(bad[0])} ({bad.size} such row(s)): set MDV=1 (or EVID=2) to keep the "
+            "row as no observation, drop it, or flag it CENS=1 with an LLOQ if it is below "
+            "the limit of quantification."
+        )
+    dv_obs = np.where(censored & ~np.isfinite(dv_v), limit, dv_v)
+    return _Censoring(censored, lq, limit, dv_obs)
+
+
+def _check_float_range(tab: _Table, dtype: np.dtype, t: np.ndarray, kinds: _Kinds,
+                       dosing: _Dosing, cens: _Censoring) -> None:
+    """The finite values of the rows used fit the float ``dtype`` (cast, they would become
+    infinite), see :func:`_check_fits`."""
+    is_dose, is_obs = kinds.is_dose, kinds.is_obs
+    lloq = cens.limit if cens.lloq is not None else np.full(tab.n_rows, np.nan)
+    for kw, values, rows in (
+        ("time", t, is_dose | is_obs),
+        ("dv", kinds.dv, is_obs),
+        ("amt", dosing.amt, is_dose),
+        ("rate", dosing.rate, is_dose),
+        ("ii", dosing.ii, is_dose),
+        ("lloq", lloq, cens.censored),
+    ):
+        if tab.cols[kw] is not None:
+            _check_fits(values, rows, dtype, tab.cols[kw], kw, tab.where)
+
+
+def _check_no_duplicate_rows(tab: _Table, t: np.ndarray, kinds: _Kinds, cm: np.ndarray,
+                             amt: np.ndarray) -> None:
+    """No dose or observation row is a full copy of another (same ID, TIME, EVID, CMT, DV,
+    AMT): almost always a data-preparation bug."""
+    used_rows = np.flatnonzero(kinds.is_dose | kinds.is_obs)
+    key = pd.DataFrame(
+        {
+            "code": tab.code[used_rows],
+            "t": t[used_rows],
+            "ev": kinds.ev[used_rows],
+            "cm": cm[used_rows],
+            "dv": kinds.dv[used_rows],
+            "amt": amt[used_rows],
+        }
+    )
+    dup = used_rows[key.duplicated(keep=False).to_numpy()]
+    if dup.size:
+        rows = [f"{_label(tab.labels, i)!r} (subject {_py(tab.sid[i])!r}, time {t[i]:g})"
+                for i in dup]
+        raise ValueError(
+            f"{dup.size} rows are fully duplicated (same ID, TIME, EVID, CMT, DV, AMT): rows "
+            f"{_listing(rows)}. This is almost always a data-preparation bug: remove the "
+            "copies (or, for two real doses at the same time, merge them into one AMT)."
+        )
+
+
+def _check_every_subject_observed(tab: _Table, kinds: _Kinds) -> None:
+    """Every subject has at least one observation."""
+    n_obs_sub = np.bincount(tab.code[kinds.is_obs], minlength=tab.n_sub)
+    empty = [_py(tab.ids[s]) for s in np.flatnonzero(n_obs_sub == 0)]
+    if empty:
+        raise ValueError(
+            f"{len(empty)} subject(s) have no observation (EVID=0 and MDV=0): ID "
+            f"{_listing([repr(e) for e in empty])}. Drop those subjects, or fix their "
+            "EVID/MDV."
+        )
+
+
+def _layout(tab: _Table, kinds: _Kinds) -> _Layout:
+    """Positions of the observation and dose rows in the padded arrays (at least one dose
+    column, so that shapes are never empty)."""
+    n_sub = tab.n_sub
+    obs_rows = np.flatnonzero(kinds.is_obs)
+    dose_rows = np.flatnonzero(kinds.is_dose)
+    oc, dc = tab.code[obs_rows], tab.code[dose_rows]
+    opos, ocount = _positions(oc, n_sub)
+    dpos, dcount = _positions(dc, n_sub)
+    mo, mdo = int(ocount.max()), max(int(dcount.max()) if dose_rows.size else 0, 1)
+    return _Layout(obs_rows, dose_rows, oc, opos, ocount, dc, dpos, dcount, (n_sub, mo),
+                   (n_sub, mdo))
+
+
+def _event_arrays(tab: _Table, lay: _Layout, f: np.dtype, t: np.ndarray, kinds: _Kinds,
+                  cm: np.ndarray, dosing: _Dosing, cens: _Censoring
+                  ) -> tuple[Observations, Doses, np.ndarray]:
+    """The padded :class:`Observations` and :class:`Doses`, and the number of doses before
+    each observation in record order (:attr:`PKDataset.doses_before`)."""
+    oc, opos, so, obs_rows = lay.oc, lay.opos, lay.so, lay.obs_rows
+    dc, dpos, sd, dose_rows = lay.dc, lay.dpos, lay.sd, lay.dose_rows
+    obs_time = _pad_last(_pad(oc, opos, t[obs_rows], so, 0, f), lay.ocount)
+    cens_o = cens.censored[obs_rows]
+    obs = Observations(
+        time=obs_time,
+        dv=_pad(oc, opos, cens.dv_obs[obs_rows], so, 0, f),
+        cmt=_pad(oc, opos, cm[obs_rows], so, 0, np.int32),
+        cens=_pad(oc, opos, cens_o, so, False, bool),
+        lloq=_pad(oc, opos, np.where(cens_o, cens.limit[obs_rows], 0.0), so, 0, f),
+        mask=_pad(oc, opos, True, so, False, bool),
+    )
+    doses = Doses(
+        time=_pad(dc, dpos, t[dose_rows], sd, 0, f),
+        amt=_pad(dc, dpos, dosing.amt[dose_rows], sd, 0, f),
+        rate=_pad(dc, dpos, dosing.rate[dose_rows], sd, 0, f),
+        cmt=_pad(dc, dpos, cm[dose_rows], sd, 1, np.int32),
+        ss=_pad(dc, dpos, dosing.ss[dose_rows] == 1, sd, False, bool),
+        ii=_pad(dc, dpos, dosing.ii[dose_rows], sd, 0, f),
+        mask=_pad(dc, dpos, True, sd, False, bool),
+    )
+    before_all = pd.Series(kinds.is_dose.astype(np.int64)).groupby(tab.code).cumsum().to_numpy()
+    doses_before = _pad(oc, opos, before_all[obs_rows], so, 0, np.int32)
+    doses_before = np.where(obs.mask, doses_before, lay.dcount[:, None]).astype(np.int32)
+    return obs, doses, doses_before
+
+
+def _event_notes(kinds: _Kinds, amt: np.ndarray, obs: Observations, doses: Doses,
+                 doses_before: np.ndarray) -> list[str]:
+    """What the user should know about the events: ``AMT`` on observation rows (ignored),
+    samples recorded before a dose given at the same time."""
+    notes: list[str] = []
+    n_amt_obs = int(np.sum(kinds.is_obs & np.isfinite(amt) & (amt != 0)))
+    if n_amt_obs:
+        notes.append(
+            f"{n_amt_obs} observation row(s) carry a non-zero AMT; AMT is ignored on "
+            "observation rows (as in NONMEM)."
+        )
+    t_d = np.where(doses.mask, doses.time, np.nan)
+    n_le = (t_d[:, None, :] <= obs.time[:, :, None]).sum(-1)
+    n_pre = int(np.sum(obs.mask & (n_le > doses_before)))
+    if n_pre:
+        notes.append(
+            f"{n_pre} observation(s) are recorded before a dose given at the same time "
+            "(pre-dose samples, NONMEM's record order): see PKDataset.doses_before."
+        )
+    return notes
+
+
+def _covariate_names(tab: _Table, covariates: Sequence[Hashable] | None,
+                     categorical: Sequence[Hashable] | None) -> tuple[list, list]:
+    """The covariate columns (default: every non-NONMEM column but ``ADDL``) and the
+    categorical ones: lists, not strings; columns of the table, not NONMEM items, named
+    once; every categorical one a covariate."""
+    df, cols, used = tab.df, tab.cols, tab.used
+    nonmem_names = {c for c in tab.given.values() if c is not None}
+    if covariates is None:
+        cov_names = [
+            c for c in df.columns if c not in nonmem_names and str(c).upper() != "ADDL"
+        ]
+    else:
+        if isinstance(covariates, str | bytes):
+            raise TypeError(
+                f"covariates must be a list of column names, got the string {covariates!r}:"
+                f" write covariates=[{covariates!r}]."
+            )
+        cov_names = list(covariates)
+        for c in cov_names:
+            if c not in df.columns:
+                raise ValueError(
+                    f"covariate {c!r} is not a column of df; columns present: "
+                    f"{list(df.columns)}."
+                )
+            if c in used:
+                kw = next(k for k, v in cols.items() if v == c)
+                raise ValueError(
+                    f"covariate {c!r} is the {_STANDARD[kw]} column ({kw}=): it cannot "
+                    "also be a covariate."
+                )
+        if len(set(cov_names)) != len(cov_names):
+            raise ValueError(f"covariates lists a column twice: {cov_names}.")
+    if categorical is None:
+        cat_names: list = []
+    elif isinstance(categorical, str | bytes):
+        raise TypeError(
+            f"categorical must be a list of covariate names, got the string "
+            f"{categorical!r}: write categorical=[{categorical!r}]."
+        )
+    else:
+        cat_names = list(categorical)
+    for c in cat_names:
+        if c not in cov_names:
+            raise ValueError(
+                f"categorical names {c!r}, which is not a covariate; covariates: "
+                f"{cov_names}. Add it to covariates=."
+            )
+    return cov_names, cat_names
+
+
+def _covariate_values(tab: _Table, c: Hashable, is_cat: bool, f: np.dtype, notes: list[str]
+                      ) -> tuple[np.ndarray, Any, list | None]:
+    """One covariate column, row by row: finite and within ``f`` when numeric, missing
+    values filled within the subject (previous row, then next; noted in ``notes``), a
+    subject with no value refused; categorical ones coded by their sorted labels. Returns
+    ``(values, their dtype, the labels or None)``."""
+    code, sid = tab.code, tab.sid
+    s = tab.df[c].reset_index(drop=True)
+    if not is_cat:
+        s = s.astype(np.float64)
+        bad = np.flatnonzero(np.isinf(s.to_numpy()))
+        if bad.size:
+            raise ValueError(
+                f"covariate {c!r} is infinite at {tab.where(bad[0])}: give a finite value "
+                "(or leave it missing to be filled within the subject)."
+            )
+        _check_fits(s.to_numpy(), np.ones(tab.n_rows, bool), f, c, "covariates", tab.where)
+    missing = s.isna().to_numpy()
+    if missing.any():
+        filled = s.groupby(code).ffill().groupby(code).bfill()
+        still = filled.isna().to_numpy()
+        if still.any():
+            bad_ids = [_py(v) for v in pd.unique(sid[still])]
+            raise ValueError(
+                f"covariate {c!r} has no value at all for subject(s) "
+                f"{_listing([repr(v) for v in bad_ids])}: give a value on at least one "
+                f"row of each subject, or leave {c!r} out of covariates=."
+            )
+        n_sub_filled = len(pd.unique(code[missing]))
+        notes.append(
+            f"covariate {c!r}: {int(missing.sum())} missing value(s) in "
+            f"{n_sub_filled} subject(s) filled within the subject from the previous "
+            "row (then the next one)."
+        )
+        s = filled
+    if is_cat:
+        labs = _sorted_labels(tab.df[c], c)  # filling adds no new value
+        vals = pd.Index(labs, dtype=object).get_indexer(s.astype(object)).astype(np.int64)
+        return vals, np.int32, labs
+    return s.to_numpy(dtype=np.float64), f, None
+
+
+def _read_covariates(tab: _Table, lay: _Layout, f: np.dtype, cov_names: list,
+                     cat_names: list, notes: list[str]) -> tuple[dict, dict, dict, dict]:
+    """Each covariate (:func:`_covariate_values`) goes to the time-constant covariates when
+    constant within every subject, else to the time-varying ones, at the observations and at
+    the doses (padding: the subject's last value). Returns ``(constant, varying at the
+    observations, varying at the doses, categories)``."""
+    code = tab.code
+    const: dict[str, np.ndarray] = {}
+    varying: dict[str, np.ndarray] = {}
+    varying_d: dict[str, np.ndarray] = {}
+    categories: dict[str, list] = {}
+    for c in cov_names:
+        s = tab.df[c]
+        is_cat = (
+            c in cat_names
+            or pd.api.types.is_bool_dtype(s)
+            or not pd.api.types.is_numeric_dtype(s)
+        )
+        vals, vdtype, labs = _covariate_values(tab, c, is_cat, f, notes)
+        if labs is not None:
+            categories[str(c)] = labs
+        first = pd.Series(vals).groupby(code).transform("first").to_numpy()
+        if np.all(vals == first):
+            out = np.zeros(tab.n_sub, dtype=vdtype)
+            out[code] = vals
+            const[str(c)] = out
+        else:
+            v_o = _pad(lay.oc, lay.opos, vals[lay.obs_rows], lay.so, 0, vdtype)
+            varying[str(c)] = _pad_last(v_o, lay.ocount)
+            v_d = _pad(lay.dc, lay.dpos, vals[lay.dose_rows], lay.sd, 0, vdtype)
+            varying_d[str(c)] = _pad_last(v_d, lay.dcount, default=varying[str(c)][:, 0])
+    return const, varying, varying_d, categories
+
+
+def _ignored_rows(df: pd.DataFrame, kinds: _Kinds) -> pd.DataFrame:
+    """The rows in no array, with their reason."""
+    kept = np.where(kinds.reason != "", True, False)
+    ignored = df.iloc[np.flatnonzero(kept)].copy()
+    ignored["reason"] = kinds.reason[kept].astype(str)
+    return ignored
 
 
 # ----------------------------------------------------------------------------- dataset
@@ -488,462 +1122,45 @@ class PKDataset:
         :raises ValueError: a missing column or any row the arrays cannot represent (the
             message names the column, subject and row, and the fix).
         """
-        if not isinstance(df, pd.DataFrame):
-            raise TypeError(f"df must be a pandas DataFrame, got {type(df).__name__}.")
-        dtype = np.dtype(dtype)
-        if dtype.kind != "f":
-            raise TypeError(f"dtype must be a floating dtype (e.g. np.float32), got {dtype}.")
-        if len(df) == 0:
-            raise ValueError("df is empty: a dataset needs at least one observation row.")
-        if df.columns.has_duplicates:
-            dup = sorted({str(c) for c in df.columns[df.columns.duplicated()]})
-            raise ValueError(f"df has duplicated column names {dup}: rename them.")
-        present = list(df.columns)
+        dtype = _check_frame(df, dtype)
         given = dict(
             id=id, time=time, dv=dv, amt=amt, evid=evid, mdv=mdv, cmt=cmt, rate=rate, ss=ss,
             ii=ii, cens=cens, lloq=lloq,
         )  # fmt: skip
-        cols: dict[str, Hashable | None] = {}
-        for kw, name in given.items():
-            if name is not None and name in df.columns:
-                cols[kw] = name
-            elif kw in _REQUIRED:
-                raise ValueError(
-                    f"required column {name!r} ({_STANDARD[kw]}) is not in df; columns "
-                    f"present: {present}. Map yours with {kw}='<column name>'."
-                )
-            else:
-                cols[kw] = None
-        used = [c for c in cols.values() if c is not None]
-        if len(set(used)) != len(used):
-            raise ValueError(
-                f"one column is mapped to two NONMEM items: {cols}; give each keyword its own "
-                "column."
-            )
-
-        n_rows = len(df)
-        labels = df.index.to_numpy()
-
-        # ---- ID
-        id_values = df[cols["id"]]
-        if id_values.isna().any():
-            i = int(np.flatnonzero(id_values.isna().to_numpy())[0])
-            raise ValueError(
-                f"column {cols['id']!r} (id=) is missing at row {_label(labels, i)!r}: every "
-                "row needs a subject ID."
-            )
-        uniq = pd.unique(id_values)
-        try:
-            ids_sorted = sorted(uniq)
-        except TypeError as e:
-            raise ValueError(
-                f"column {cols['id']!r} (id=) mixes values that cannot be sorted: give the IDs "
-                "one type."
-            ) from e
-        ids = np.asarray(ids_sorted)
-        code = pd.Index(ids_sorted).get_indexer(id_values).astype(np.int64)
-        sid = id_values.to_numpy()
-        n_sub = len(ids_sorted)
-
-        def where(i: int) -> str:
-            return f"subject {_py(sid[i])!r}, row {_label(labels, i)!r}"
-
-        def num(kw: str) -> np.ndarray | None:
-            return None if cols[kw] is None else _to_numeric(df, cols[kw], kw, labels, sid)
-
-        # ---- TIME
-        t = num("time")
-        bad = np.flatnonzero(~np.isfinite(t))
-        if bad.size:
-            raise ValueError(
-                f"column {cols['time']!r} (time=) is missing or infinite at {where(bad[0])} "
-                f"({bad.size} row(s)): every row needs a finite time."
-            )
-        bad = np.flatnonzero(t < 0)
-        if bad.size:
-            raise ValueError(
-                f"column {cols['time']!r} (time=) is negative ({t[bad[0]]}) at {where(bad[0])}: "
-                "times must be >= 0 (shift each subject's times so that they start at 0)."
-            )
-
-        # ---- EVID / MDV: the kind of each row
-        amt_v = num("amt")
-        dv_v = num("dv")
-        if cols["evid"] is not None:
-            ev = num("evid")
-            bad = np.flatnonzero(np.isnan(ev))
-            if bad.size:
-                raise ValueError(
-                    f"column {cols['evid']!r} (evid=) is missing at {where(bad[0])}: set it to "
-                    "0 (observation), 1 (dose) or 2 (other event)."
-                )
-            bad = np.flatnonzero(~np.isin(ev, (0, 1, 2, 3, 4)))
-            if bad.size:
-                raise ValueError(
-                    f"column {cols['evid']!r} (evid=) has the unknown code {ev[bad[0]]:g} at "
-                    f"{where(bad[0])}: use 0 (observation), 1 (dose) or 2 (other event)."
-                )
-            bad = np.flatnonzero(np.isin(ev, (3, 4)))
-            if bad.size:
-                raise ValueError(
-                    f"EVID={ev[bad[0]]:g} (reset{' and dose' if ev[bad[0]] == 4 else ''}) at "
-                    f"{where(bad[0])} ({cols['evid']!r}, evid=) is not supported: split the "
-                    "subject's record at the reset into two subjects, or remove the reset."
-                )
-            ev = ev.astype(np.int64)
-            if amt_v is None and np.any(ev == 1):
-                raise ValueError(
-                    f"df has dose rows (EVID=1) but no amount column {amt!r}; columns present: "
-                    f"{present}. Map yours with amt='<column name>'."
-                )
-        else:
-            ev = np.zeros(n_rows, dtype=np.int64)
-            if amt_v is not None:
-                ev[np.nan_to_num(amt_v) > 0] = 1
-        is_dose = ev == 1
-        if cols["mdv"] is not None:
-            md = num("mdv")
-            bad = np.flatnonzero((ev == 0) & ~np.isin(md, (0, 1)))
-            if bad.size:
-                raise ValueError(
-                    f"column {cols['mdv']!r} (mdv=) must be 0 or 1 on observation rows; it is "
-                    f"{md[bad[0]]} at {where(bad[0])}."
-                )
-        else:
-            md = np.where(is_dose, 1.0, 0.0)
-        is_obs = (ev == 0) & (md == 0)
-        reason = np.full(n_rows, "", dtype=object)
-        reason[(ev == 0) & (md == 1)] = "MDV=1"
-        reason[ev == 2] = "EVID=2"
-
-        # ---- TIME non-decreasing within each subject (all rows: they order the covariates)
-        order = np.argsort(code, kind="stable")
-        same = code[order][1:] == code[order][:-1]
-        back = np.flatnonzero(same & (t[order][1:] < t[order][:-1]))
-        if back.size:
-            i, j = order[back[0]], order[back[0] + 1]
-            raise ValueError(
-                f"column {cols['time']!r} (time=) decreases within subject {_py(sid[j])!r}: row "
-                f"{_label(labels, j)!r} (time {t[j]:g}) comes after row {_label(labels, i)!r} "
-                f"(time {t[i]:g}). Sort each subject's rows by time (keeping the record order "
-                "of equal times)."
-            )
-
-        # ---- compartments
-        if cols["cmt"] is not None:
-            cm = num("cmt")
-            # an observation with CMT 0 or missing: the model's observed compartment (0)
-            cm = np.where(is_obs & np.isnan(cm), 0.0, cm)
-            bad = np.flatnonzero(
-                (is_dose & ~(_is_integer(cm) & (cm >= 1)))
-                | (is_obs & ~(_is_integer(cm) & (cm >= 0)))
-            )
-            if bad.size:
-                raise ValueError(
-                    f"column {cols['cmt']!r} (cmt=) must be a positive integer (1-based NONMEM "
-                    f"compartment) on dose and observation rows (0 or missing on an "
-                    f"observation row: the model's observed compartment); it is {cm[bad[0]]} "
-                    f"at {where(bad[0])}."
-                )
-            cm = np.where(is_dose | is_obs, cm, 1.0)
-        else:
-            cm = np.where(is_obs, 0.0, 1.0)
-
-        # ---- doses
-        def opt(kw: str) -> np.ndarray:
-            v = num(kw)
-            return np.zeros(n_rows) if v is None else np.nan_to_num(v, nan=0.0)
-
-        amt0 = np.zeros(n_rows) if amt_v is None else amt_v
-        bad = np.flatnonzero(is_dose & ~(np.isfinite(amt0) & (amt0 > 0)))
-        if bad.size:
-            raise ValueError(
-                f"dose (EVID=1) with amount {cols['amt']!r} (amt=) = {amt0[bad[0]]} at "
-                f"{where(bad[0])}: a dose needs a finite AMT > 0 (set the amount, or make the "
-                "row EVID=2 if it is no dose)."
-            )
-        rt = opt("rate")
-        bad = np.flatnonzero(is_dose & np.isin(rt, (-1, -2)))
-        if bad.size:
-            raise ValueError(
-                f"RATE={rt[bad[0]]:g} (modelled {'rate' if rt[bad[0]] == -1 else 'duration'}) at "
-                f"{where(bad[0])} ({cols['rate']!r}, rate=) is not supported: give RATE "
-                "explicitly (AMT / infusion duration), or 0 for a bolus."
-            )
-        bad = np.flatnonzero(is_dose & ~(np.isfinite(rt) & (rt >= 0)))
-        if bad.size:
-            raise ValueError(
-                f"column {cols['rate']!r} (rate=) is {rt[bad[0]]} at {where(bad[0])}: RATE must "
-                "be 0 (bolus) or a finite positive infusion rate."
-            )
-        ss_v = opt("ss")
-        bad = np.flatnonzero(is_dose & ~np.isin(ss_v, (0, 1)))
-        if bad.size:
-            raise ValueError(
-                f"SS={ss_v[bad[0]]:g} at {where(bad[0])} ({cols['ss']!r}, ss=) is not "
-                "supported: SS must be 0 or 1 (steady state with interval II)."
-            )
-        ii_v = opt("ii")
-        bad = np.flatnonzero(is_dose & ~(np.isfinite(ii_v) & (ii_v >= 0)))
-        if bad.size:
-            raise ValueError(
-                f"column {cols['ii']!r} (ii=) is {ii_v[bad[0]]} at {where(bad[0])}: the "
-                "interdose interval II must be finite and >= 0."
-            )
-        bad = np.flatnonzero(is_dose & (ss_v == 1) & ~(ii_v > 0))
-        if bad.size:
-            ii_name = cols["ii"] if cols["ii"] is not None else ii
-            raise ValueError(
-                f"steady-state dose (SS=1) at {where(bad[0])} has no interdose interval: set "
-                f"II > 0 in column {ii_name!r} (ii=) on that row."
-            )
-        for name in df.columns:
-            if str(name).upper() == "ADDL" and name not in used:
-                ad = _to_numeric(df, name, "ADDL", labels, sid)
-                bad = np.flatnonzero(np.nan_to_num(ad) != 0)
-                if bad.size:
-                    raise ValueError(
-                        f"additional doses (column {name!r}) at {where(bad[0])} are not "
-                        "supported: write one row per dose (EVID=1 at each dosing time)."
-                    )
-
-        # ---- observations and censoring
-        ce = opt("cens")
-        bad = np.flatnonzero(is_obs & ~np.isin(ce, (0, 1)))
-        if bad.size:
-            what = " (above a limit)" if ce[bad[0]] == -1 else ""
-            raise ValueError(
-                f"CENS={ce[bad[0]]:g}{what} at {where(bad[0])} ({cols['cens']!r}, cens=) is not "
-                "supported: CENS must be 0 or 1 (1 = below the lower limit of quantification)."
-            )
-        censored = is_obs & (ce == 1)
-        lq = num("lloq")
-        limit = np.full(n_rows, np.nan) if lq is None else lq.copy()
-        limit = np.where(np.isfinite(limit), limit, dv_v)
-        bad = np.flatnonzero(censored & ~np.isfinite(limit))
-        if bad.size:
-            raise ValueError(
-                f"censored observation (CENS=1) at {where(bad[0])} has no limit: give the "
-                f"limit of quantification in column {lloq!r} (lloq=) or in DV."
-            )
-        bad = np.flatnonzero(is_obs & ~censored & ~np.isfinite(dv_v))
-        if bad.size:
-            raise ValueError(
-                f"observation (EVID=0, MDV=0) with {cols['dv']!r} (dv=) = {dv_v[bad[0]]} at "
-                f"{where(bad[0])} ({bad.size} such row(s)): set MDV=1 (or EVID=2) to keep the "
-                "row as no observation, drop it, or flag it CENS=1 with an LLOQ if it is below "
-                "the limit of quantification."
-            )
-        dv_obs = np.where(censored & ~np.isfinite(dv_v), limit, dv_v)
-
-        # ---- finite values the float dtype cannot hold (they would be cast to inf)
-        for kw, values, rows in (
-            ("time", t, is_dose | is_obs),
-            ("dv", dv_v, is_obs),
-            ("amt", amt0, is_dose),
-            ("rate", rt, is_dose),
-            ("ii", ii_v, is_dose),
-            ("lloq", limit if lq is not None else np.full(n_rows, np.nan), censored),
-        ):
-            if cols[kw] is not None:
-                _check_fits(values, rows, dtype, cols[kw], kw, where)
-
-        # ---- fully duplicated dose/observation rows
-        used_rows = np.flatnonzero(is_dose | is_obs)
-        key = pd.DataFrame(
-            {
-                "code": code[used_rows],
-                "t": t[used_rows],
-                "ev": ev[used_rows],
-                "cm": cm[used_rows],
-                "dv": dv_v[used_rows],
-                "amt": amt0[used_rows],
-            }
-        )
-        dup = used_rows[key.duplicated(keep=False).to_numpy()]
-        if dup.size:
-            rows = [f"{_label(labels, i)!r} (subject {_py(sid[i])!r}, time {t[i]:g})" for i in dup]
-            raise ValueError(
-                f"{dup.size} rows are fully duplicated (same ID, TIME, EVID, CMT, DV, AMT): rows "
-                f"{_listing(rows)}. This is almost always a data-preparation bug: remove the "
-                "copies (or, for two real doses at the same time, merge them into one AMT)."
-            )
-
-        # ---- subjects without observations
-        n_obs_sub = np.bincount(code[is_obs], minlength=n_sub)
-        empty = [_py(ids_sorted[s]) for s in np.flatnonzero(n_obs_sub == 0)]
-        if empty:
-            raise ValueError(
-                f"{len(empty)} subject(s) have no observation (EVID=0 and MDV=0): ID "
-                f"{_listing([repr(e) for e in empty])}. Drop those subjects, or fix their "
-                "EVID/MDV."
-            )
-
-        # ---- arrays
-        obs_rows = np.flatnonzero(is_obs)
-        dose_rows = np.flatnonzero(is_dose)
-        oc, dc = code[obs_rows], code[dose_rows]
-        opos, ocount = _positions(oc, n_sub)
-        dpos, dcount = _positions(dc, n_sub)
-        mo, mdo = int(ocount.max()), max(int(dcount.max()) if dose_rows.size else 0, 1)
-        so, sd = (n_sub, mo), (n_sub, mdo)
-        f = dtype
-        obs_time = _pad_last(_pad(oc, opos, t[obs_rows], so, 0, f), ocount)
-        cens_o = censored[obs_rows]
-        obs = Observations(
-            time=obs_time,
-            dv=_pad(oc, opos, dv_obs[obs_rows], so, 0, f),
-            cmt=_pad(oc, opos, cm[obs_rows], so, 0, np.int32),
-            cens=_pad(oc, opos, cens_o, so, False, bool),
-            lloq=_pad(oc, opos, np.where(cens_o, limit[obs_rows], 0.0), so, 0, f),
-            mask=_pad(oc, opos, True, so, False, bool),
-        )
-        doses = Doses(
-            time=_pad(dc, dpos, t[dose_rows], sd, 0, f),
-            amt=_pad(dc, dpos, amt0[dose_rows], sd, 0, f),
-            rate=_pad(dc, dpos, rt[dose_rows], sd, 0, f),
-            cmt=_pad(dc, dpos, cm[dose_rows], sd, 1, np.int32),
-            ss=_pad(dc, dpos, ss_v[dose_rows] == 1, sd, False, bool),
-            ii=_pad(dc, dpos, ii_v[dose_rows], sd, 0, f),
-            mask=_pad(dc, dpos, True, sd, False, bool),
-        )
-        before_all = pd.Series(is_dose.astype(np.int64)).groupby(code).cumsum().to_numpy()
-        doses_before = _pad(oc, opos, before_all[obs_rows], so, 0, np.int32)
-        doses_before = np.where(obs.mask, doses_before, dcount[:, None]).astype(np.int32)
-
-        notes: list[str] = []
-        n_amt_obs = int(np.sum(is_obs & np.isfinite(amt0) & (amt0 != 0)))
-        if n_amt_obs:
-            notes.append(
-                f"{n_amt_obs} observation row(s) carry a non-zero AMT; AMT is ignored on "
-                "observation rows (as in NONMEM)."
-            )
-        t_d = np.where(doses.mask, doses.time, np.nan)
-        n_le = (t_d[:, None, :] <= obs.time[:, :, None]).sum(-1)
-        n_pre = int(np.sum(obs.mask & (n_le > doses_before)))
-        if n_pre:
-            notes.append(
-                f"{n_pre} observation(s) are recorded before a dose given at the same time "
-                "(pre-dose samples, NONMEM's record order): see PKDataset.doses_before."
-            )
-
-        # ---- covariates
-        nonmem_names = {c for c in given.values() if c is not None}
-        if covariates is None:
-            cov_names = [
-                c for c in df.columns if c not in nonmem_names and str(c).upper() != "ADDL"
-            ]
-        else:
-            if isinstance(covariates, str | bytes):
-                raise TypeError(
-                    f"covariates must be a list of column names, got the string {covariates!r}:"
-                    f" write covariates=[{covariates!r}]."
-                )
-            cov_names = list(covariates)
-            for c in cov_names:
-                if c not in df.columns:
-                    raise ValueError(
-                        f"covariate {c!r} is not a column of df; columns present: {present}."
-                    )
-                if c in used:
-                    kw = next(k for k, v in cols.items() if v == c)
-                    raise ValueError(
-                        f"covariate {c!r} is the {_STANDARD[kw]} column ({kw}=): it cannot "
-                        "also be a covariate."
-                    )
-            if len(set(cov_names)) != len(cov_names):
-                raise ValueError(f"covariates lists a column twice: {cov_names}.")
-        if categorical is None:
-            cat_names: list = []
-        elif isinstance(categorical, str | bytes):
-            raise TypeError(
-                f"categorical must be a list of covariate names, got the string "
-                f"{categorical!r}: write categorical=[{categorical!r}]."
-            )
-        else:
-            cat_names = list(categorical)
-        for c in cat_names:
-            if c not in cov_names:
-                raise ValueError(
-                    f"categorical names {c!r}, which is not a covariate; covariates: "
-                    f"{cov_names}. Add it to covariates=."
-                )
-
-        const: dict[str, np.ndarray] = {}
-        varying: dict[str, np.ndarray] = {}
-        varying_d: dict[str, np.ndarray] = {}
-        categories: dict[str, list] = {}
-        for c in cov_names:
-            s = df[c].reset_index(drop=True)
-            is_cat = (
-                c in cat_names
-                or pd.api.types.is_bool_dtype(s)
-                or not pd.api.types.is_numeric_dtype(s)
-            )
-            if not is_cat:
-                s = s.astype(np.float64)
-                bad = np.flatnonzero(np.isinf(s.to_numpy()))
-                if bad.size:
-                    raise ValueError(
-                        f"covariate {c!r} is infinite at {where(bad[0])}: give a finite value "
-                        "(or leave it missing to be filled within the subject)."
-                    )
-                _check_fits(s.to_numpy(), np.ones(n_rows, bool), f, c, "covariates", where)
-            missing = s.isna().to_numpy()
-            if missing.any():
-                filled = s.groupby(code).ffill().groupby(code).bfill()
-                still = filled.isna().to_numpy()
-                if still.any():
-                    bad_ids = [_py(v) for v in pd.unique(sid[still])]
-                    raise ValueError(
-                        f"covariate {c!r} has no value at all for subject(s) "
-                        f"{_listing([repr(v) for v in bad_ids])}: give a value on at least one "
-                        f"row of each subject, or leave {c!r} out of covariates=."
-                    )
-                n_sub_filled = len(pd.unique(code[missing]))
-                notes.append(
-                    f"covariate {c!r}: {int(missing.sum())} missing value(s) in "
-                    f"{n_sub_filled} subject(s) filled within the subject from the previous "
-                    "row (then the next one)."
-                )
-                s = filled
-            if is_cat:
-                labs = _sorted_labels(df[c], c)  # filling adds no new value
-                categories[str(c)] = labs
-                vals = pd.Index(labs, dtype=object).get_indexer(s.astype(object)).astype(np.int64)
-                vdtype: Any = np.int32
-            else:
-                vals = s.to_numpy(dtype=np.float64)
-                vdtype = f
-            first = pd.Series(vals).groupby(code).transform("first").to_numpy()
-            if np.all(vals == first):
-                out = np.zeros(n_sub, dtype=vdtype)
-                out[code] = vals
-                const[str(c)] = out
-            else:
-                v_o = _pad(oc, opos, vals[obs_rows], so, 0, vdtype)
-                varying[str(c)] = _pad_last(v_o, ocount)
-                v_d = _pad(dc, dpos, vals[dose_rows], sd, 0, vdtype)
-                varying_d[str(c)] = _pad_last(v_d, dcount, default=varying[str(c)][:, 0])
-
-        kinds = np.where(reason != "", True, False)
-        ignored = df.iloc[np.flatnonzero(kinds)].copy()
-        ignored["reason"] = reason[kinds].astype(str)
+        # the named checks, in order (the first fault found is reported), then the arrays
+        tab = _read_ids(df, _map_columns(df, given), given)
+        t = _check_times(tab)
+        kinds = _row_kinds(tab)
+        _check_time_order(tab, t)
+        cm = _check_compartments(tab, kinds)
+        dosing = _check_doses(tab, kinds)
+        _check_no_additional_doses(tab)
+        cens_ = _check_observations(tab, kinds)
+        _check_float_range(tab, dtype, t, kinds, dosing, cens_)
+        _check_no_duplicate_rows(tab, t, kinds, cm, dosing.amt)
+        _check_every_subject_observed(tab, kinds)
+        lay = _layout(tab, kinds)
+        obs, doses, doses_before = _event_arrays(tab, lay, dtype, t, kinds, cm, dosing, cens_)
+        notes = _event_notes(kinds, dosing.amt, obs, doses, doses_before)
+        cov_names, cat_names = _covariate_names(tab, covariates, categorical)
+        const, varying, varying_d, categories = _read_covariates(
+            tab, lay, dtype, cov_names, cat_names, notes)
+        labels = tab.labels
         return cls(
-            ids=ids,
+            ids=np.asarray(tab.ids),
             obs=obs,
             doses=doses,
             covariates=const,
             time_varying=varying,
             categories=categories,
-            ignored=ignored,
+            ignored=_ignored_rows(df, kinds),
             doses_before=doses_before,
             dose_time_varying=varying_d,
             notes=notes,
-            id_column=cols["id"],
-            obs_rows=_pad(oc, opos, labels[obs_rows], so, None, object),
-            dose_rows=_pad(dc, dpos, labels[dose_rows], sd, None, object),
-            columns={kw: c for kw, c in cols.items() if c is not None},
+            id_column=tab.cols["id"],
+            obs_rows=_pad(lay.oc, lay.opos, labels[lay.obs_rows], lay.so, None, object),
+            dose_rows=_pad(lay.dc, lay.dpos, labels[lay.dose_rows], lay.sd, None, object),
+            columns={kw: c for kw, c in tab.cols.items() if c is not None},
         )
 
     # ------------------------------------------------------------------ subsetting

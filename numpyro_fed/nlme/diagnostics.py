@@ -43,7 +43,6 @@ from jax import random
 from numpyro_fed._validation import check_int
 from numpyro_fed.nlme.data import Doses, PKDataset
 from numpyro_fed.nlme.transforms import TRANSFORMS
-from numpyro_fed.saem import likelihood as lik
 
 __all__ = ["NLMEFit", "lowess", "time_after_dose"]
 
@@ -115,7 +114,7 @@ class NLMEFit:
                                       "rse_%": np.nan, "cv_%": np.nan}
         # the fit's convergence verdict travels with its table (the standard errors of a fit
         # that has not converged also warn ConvergenceWarning)
-        msgs = list(getattr(res, "convergence_messages", []))
+        msgs = list(res.convergence_messages)
         df.attrs["converged"] = not msgs
         df.attrs["convergence_messages"] = msgs
         return df
@@ -183,9 +182,6 @@ class NLMEFit:
         return pd.concat(parts) if parts else df.iloc[:0]
 
     # ------------------------------------------------------------------ individual
-    def _theta_c(self):
-        return self.result.info.constrain_theta(jnp.asarray(self.result.theta))
-
     def _phi_sites(self, zc: dict) -> dict:
         pk = self.pk
         if pk.omega == "full":
@@ -196,17 +192,10 @@ class NLMEFit:
     def conditional_modes(self) -> dict[str, np.ndarray]:
         """Empirical Bayes estimates: per-subject conditional modes of the transformed
         individual parameters ``{name: (n,)}`` (random ones only), by damped Newton from the
-        conditional means (:func:`numpyro_fed.saem.likelihood.conditional_modes`)."""
+        conditional means (:meth:`numpyro_fed.saem.SAEMResult.conditional_modes`)."""
         if self._modes is None:
-            res = self.result
-            info = res.info
-            zs = jnp.asarray(res.z_draws)
-            z0 = jnp.mean(zs.reshape(-1, zs.shape[-1]), 0)
-            fn = jax.jit(lambda tc, z: lik.conditional_modes(
-                info, res.layout, res.ids, tc, z, res.args, res.kwargs)[0])
-            z = fn(self._theta_c(), z0)
-            self._modes = {n: np.asarray(v)
-                           for n, v in self._phi_sites(info.constrain_z(z)[0]).items()}
+            self._modes = {n: np.asarray(v) for n, v in
+                           self._phi_sites(self.result.conditional_modes()).items()}
         return self._modes
 
     def _typical(self, arrays: dict) -> dict:

@@ -20,11 +20,12 @@ Modules (each importing only those above it):
 - :mod:`~numpyro_fed.saem.fit` -- :class:`SAEM` and the pure fit loop.
 """
 
+from numpyro_fed.errors import ConvergenceWarning, SingularFitWarning
 from numpyro_fed.saem.fit import SAEM, SAEMState, fit_saem
 from numpyro_fed.saem.likelihood import annealed_importance_sampling
 from numpyro_fed.saem.model import log_joint_per_subject
 from numpyro_fed.saem.mstep import SufficientStatistics
-from numpyro_fed.saem.result import ConvergenceWarning, SAEMResult, SingularFitWarning
+from numpyro_fed.saem.result import SAEMResult
 from numpyro_fed.saem.schedule import Schedule
 
 __all__ = [

@@ -34,7 +34,7 @@ from numpyro.infer.initialization import init_to_median
 from numpyro.infer.mcmc import MCMCKernel
 
 from numpyro_fed._validation import check_float, check_int, check_positive_float
-from numpyro_fed.kernels.base import DivergenceError
+from numpyro_fed.errors import DivergenceError
 from numpyro_fed.saem.estep import LangevinEStep, NumPyroEStep, flat_preconditioner
 from numpyro_fed.saem.model import (
     ModelInfo,

@@ -11,6 +11,7 @@ import numpy as np
 from jax import random
 
 from numpyro_fed._validation import check_int, check_positive_float
+from numpyro_fed.errors import ConvergenceWarning, SingularFitWarning  # also re-exported
 from numpyro_fed.saem import information as info_mod
 from numpyro_fed.saem import likelihood as lik
 from numpyro_fed.saem.model import (
@@ -26,19 +27,6 @@ from numpyro_fed.saem.mstep import VARIANCE_FLOOR
 
 __all__ = ["SAEMResult", "ConvergenceWarning", "SingularFitWarning", "StandardErrors",
            "boundary_collapse", "singular_coords", "missing_ratio"]
-
-
-class ConvergenceWarning(UserWarning):
-    """The SAEM fit shows signs of not having converged (see
-    :meth:`SAEMResult.check_convergence`); its standard errors and -2LL are then not to be
-    trusted, and say so."""
-
-
-class SingularFitWarning(ConvergenceWarning):
-    """A boundary (singular) fit: a variance (or scale) ends at the boundary 0 of its support,
-    its maximum-likelihood value (lme4's "boundary (singular) fit"). The estimates are the
-    maximum on the boundary; standard errors there are not regular (see
-    :attr:`SAEMResult.singular`)."""
 
 
 #: a coordinate whose distance to the boundary of its support fell below this fraction of
@@ -871,6 +859,20 @@ class SAEMResult:
     def conditional_means(self) -> dict[str, np.ndarray]:
         """Per-subject conditional means :math:`E[z_i\\mid y;\\hat\\theta]` of each latent site."""
         return {n: v.mean(axis=(0, 1)) for n, v in self.latent_samples().items()}
+
+    def conditional_modes(self) -> dict[str, np.ndarray]:
+        """Per-subject conditional modes of the latent sites at :math:`\\hat\\theta`
+        (empirical Bayes estimates), constrained: the modes of :math:`\\log p(y_i, z_i\\mid
+        \\hat\\theta)` in the unconstrained latents (Jacobian included), by damped Newton
+        from the mean of the final draws
+        (:func:`numpyro_fed.saem.likelihood.conditional_modes`). Computed at each call."""
+        info = self.info
+        zs = jnp.asarray(self.z_draws)
+        z0 = jnp.mean(zs.reshape(-1, zs.shape[-1]), 0)
+        fn = jax.jit(lambda tc, z: lik.conditional_modes(
+            info, self.layout, self.ids, tc, z, self.args, self.kwargs)[0])
+        z = fn(info.constrain_theta(jnp.asarray(self.theta)), z0)
+        return {n: np.asarray(v) for n, v in info.constrain_z(z)[0].items()}
 
     # -- likelihood ---------------------------------------------------------------------------
     def log_likelihood(self, rng_key: jax.Array | None = None, *, method: str = "is",

@@ -45,24 +45,48 @@ Falls back to NumPyro's own loop (same results, compiled every run) under a JAX 
 (``chain_method="parallel"`` or a callable ``chain_method``), for ensemble kernels, with
 NumPyro's control flow disabled, and when a collected field has an extended dtype (typed PRNG
 keys).
+
+**NumPyro versions.** The loop reuses private internals of NumPyro's ``MCMC``
+(``MCMC._single_chain_mcmc``, its ``_collection_params`` and ``_jit_model_args``,
+``numpyro.infer.mcmc._collect_and_postprocess``, ``numpyro.util._is_under_jax_transform`` and
+``_DISABLE_CONTROL_FLOW_PRIM``), which NumPyro may change in any release: it is tested on the
+versions of :data:`TESTED_NUMPYRO` (the range ``pyproject.toml`` requires). With another
+NumPyro, or one that lacks those names, :class:`CachedMCMC` warns
+:class:`~numpyro_fed.errors.NumPyroVersionWarning` (naming the version and the fix) and runs
+NumPyro's own loop: ``MCMC``'s draws, compiled at every run.
 """
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
+import numpyro
 from jax import lax
 from numpyro import util as _numpyro_util
 from numpyro.infer import MCMC
-from numpyro.infer.mcmc import _collect_and_postprocess
 from numpyro.util import is_prng_key
 
 from numpyro_fed import _programs
+from numpyro_fed.errors import NumPyroVersionWarning
 
-__all__ = ["CachedMCMC", "LOOP_COMPILER_OPTIONS", "MAX_LOOPS", "clear_cache", "cached_loops"]
+try:  # private: absent from another NumPyro, where CachedMCMC runs NumPyro's own loop
+    from numpyro.infer.mcmc import _collect_and_postprocess
+except ImportError:  # pragma: no cover - depends on the installed NumPyro
+    _collect_and_postprocess = None
+
+__all__ = ["CachedMCMC", "LOOP_COMPILER_OPTIONS", "MAX_LOOPS", "TESTED_NUMPYRO",
+           "clear_cache", "cached_loops", "numpyro_supported"]
+
+#: NumPyro versions (``(major, minor)``, lower bound included, upper excluded) whose private
+#: sampling-loop internals :class:`CachedMCMC` was tested on; ``pyproject.toml`` requires the
+#: same range. Widen both only after ``tests/test_compilation.py`` and
+#: ``tests/test_cache_correctness.py`` pass on the new version.
+TESTED_NUMPYRO: tuple[tuple[int, int], tuple[int, int]] = ((0, 22), (0, 23))
 
 #: most compiled programs kept by the process-wide cache (shared by every cache of the
 #: library, :data:`numpyro_fed._programs.MAX_PROGRAMS`)
@@ -80,6 +104,40 @@ _TAG = "CachedMCMC loop"
 #: 183 with the classic emitters alone, 189 with the defaults).
 LOOP_COMPILER_OPTIONS: dict[str, Any] = {"xla_cpu_use_fusion_emitters": False,
                                          "xla_backend_optimization_level": 1}
+
+
+def _requirement() -> str:
+    (a, b), (c, d) = TESTED_NUMPYRO
+    return f"numpyro>={a}.{b},<{c}.{d}"
+
+
+def numpyro_supported(version: str | None = None) -> str | None:
+    """Why :class:`CachedMCMC` cannot use its cached loop with NumPyro ``version`` (default:
+    the installed ``numpyro.__version__``), or ``None`` when it can: the version is in
+    :data:`TESTED_NUMPYRO` and NumPyro has the private names the loop reuses."""
+    version = numpyro.__version__ if version is None else str(version)
+    m = re.match(r"(\d+)\.(\d+)", version)
+    lo, hi = TESTED_NUMPYRO
+    fix = (f"Fix: install a tested NumPyro (pip install '{_requirement()}'), or use "
+           "numpyro.infer.MCMC.")
+    if m is None or not lo <= (int(m.group(1)), int(m.group(2))) < hi:
+        return (f"numpyro_fed.CachedMCMC was tested with {_requirement()} and relies on "
+                f"private internals of NumPyro's MCMC loop; NumPyro {version} is installed. "
+                "CachedMCMC runs NumPyro's own sampling loop instead (the draws of "
+                f"numpyro.infer.MCMC, compiled at every run). {fix}")
+    missing = [n for n, ok in (
+        ("numpyro.infer.mcmc._collect_and_postprocess", _collect_and_postprocess is not None),
+        ("MCMC._single_chain_mcmc", hasattr(MCMC, "_single_chain_mcmc")),
+        ("numpyro.util._is_under_jax_transform",
+         hasattr(_numpyro_util, "_is_under_jax_transform")),
+        ("numpyro.util._DISABLE_CONTROL_FLOW_PRIM",
+         hasattr(_numpyro_util, "_DISABLE_CONTROL_FLOW_PRIM")),
+    ) if not ok]
+    if missing:
+        return (f"NumPyro {version} lacks {', '.join(missing)}, which numpyro_fed.CachedMCMC "
+                "reuses: CachedMCMC runs NumPyro's own sampling loop instead (the draws of "
+                f"numpyro.infer.MCMC, compiled at every run). {fix}")
+    return None
 
 
 def clear_cache() -> None:
@@ -190,6 +248,8 @@ class CachedMCMC(MCMC):
     :param kwargs: :class:`numpyro.infer.MCMC`'s arguments (``num_warmup``,
         ``num_samples``, ``num_chains``, ``thinning``, ``postprocess_fn``, ``chain_method``,
         ``progress_bar``, ``jit_model_args``).
+    :warns NumPyroVersionWarning: with a NumPyro outside :data:`TESTED_NUMPYRO` (or one that
+        lacks the private names the loop reuses); it then runs NumPyro's own loop.
     """
 
     def __init__(self, sampler, *args: Any,
@@ -206,8 +266,19 @@ class CachedMCMC(MCMC):
             raise TypeError("`compiler_options` must be 'auto', None or a mapping of XLA "
                             f"option names to values, got {type(compiler_options).__name__}.")
         self.compiler_options: dict[str, Any] = dict(compiler_options or {})
+        unsupported = numpyro_supported()
+        if unsupported is not None:
+            warnings.warn(unsupported, NumPyroVersionWarning, stacklevel=2)
+        #: whether runs use the cached loop (``False``: NumPyro's own, see the warning)
+        self.cached_loop = unsupported is None
 
-    def _single_chain_mcmc(self, init, args, kwargs, collect_fields, remove_sites):
+    def _single_chain_mcmc(self, *args, **kwargs):
+        # NumPyro's own loop (called as it calls it) with an untested NumPyro
+        if not self.cached_loop:
+            return super()._single_chain_mcmc(*args, **kwargs)
+        return self._cached_single_chain_mcmc(*args, **kwargs)
+
+    def _cached_single_chain_mcmc(self, init, args, kwargs, collect_fields, remove_sites):
         if (_numpyro_util._is_under_jax_transform() or _numpyro_util._DISABLE_CONTROL_FLOW_PRIM
                 or self.sampler.is_ensemble_kernel):
             return super()._single_chain_mcmc(init, args, kwargs, collect_fields, remove_sites)
