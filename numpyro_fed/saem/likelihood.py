@@ -1,13 +1,24 @@
 """Marginal likelihood :math:`\\log p(y\\mid\\hat\\theta)` of a fitted mixed-effects model.
 
-Three methods, per subject when the model has subjects (the marginal likelihood factorises,
-:math:`\\log p(y\\mid\\theta) = \\sum_i\\log\\int p(y_i, z_i\\mid\\theta)\\,dz_i`), each on the
-unconstrained latents (the Jacobian of the latent transforms included):
+The marginal likelihood factorises over subjects, or over the connected groups of latents of
+a model with several grouping factors (:func:`~numpyro_fed.saem.model.group_layout`):
+:math:`\\log p(y\\mid\\theta) = \\sum_i\\log\\int p(y_i, z_i\\mid\\theta)\\,dz_i`. Methods, each on
+the unconstrained latents (the Jacobian of the latent transforms included):
 
-- ``"is"`` -- importance sampling with a multivariate Student-t proposal per subject, centred
-  at the conditional mean of the subject's latents with their conditional covariance, both
-  from the draws at :math:`\\hat\\theta` (saemix's ``llis``); the Monte Carlo standard error
-  is reported (delta method on each subject's mean weight).
+- ``"exact"`` -- the closed form of a linear Gaussian model (:func:`gaussian_exact`): the
+  Laplace value at the exact conditional mode, after checking that each integrand is
+  quadratic. ``SAEMResult.log_likelihood``'s default ``"auto"`` uses it where the check
+  passes and ``"is"`` elsewhere.
+- ``"is"`` -- defensive importance sampling per group (:func:`is_proposals`,
+  :func:`importance_round`): a mixture of two multivariate t, one at the conditional mode
+  with the inverse Hessian there (Laplace), one at the conditional mean and covariance of the
+  final draws (saemix's ``llis``), so that neither a poorly mixed E-step nor a non-Gaussian
+  posterior leaves the sampler without a good proposal. The estimate per group is
+  Jensen-corrected and its Monte Carlo SE is the delta method's; rounds of draws go on
+  (:func:`adaptive_importance_sampling`) while a group's weights look heavy-tailed (Pareto
+  :math:`\\hat k` above :data:`PARETO_K_MORE`) or its SE exceeds :data:`MAX_GROUP_SE`, and a
+  :class:`LikelihoodWarning` says when :math:`\\hat k` stays above :data:`PARETO_K_WARN` (the
+  SE cannot then be trusted).
 - ``"gq"`` -- adaptive Gauss--Hermite quadrature (up to 3 latent coordinates per subject):
   nodes placed at each subject's conditional mode and scaled by the Cholesky factor of the
   inverse Hessian there (Pinheiro & Bates 1995; lme4's ``nAGQ``).
@@ -249,14 +260,14 @@ def importance_round(info: ModelInfo, layout: SubjectLayout | None, ids, theta_c
 
 def pareto_khat(top_lw: np.ndarray, num_samples: int) -> np.ndarray:
     """Pareto :math:`\\hat k` of each row's importance weights from its largest log weights
-    ``top_lw`` ``(n, >= M)`` out of ``num_samples``: the generalised Pareto shape fitted by
-    Zhang & Stephens (2009) to the ``M = min(0.2 S, 3 sqrt(S))`` largest weights above the
-    next one, with the weak prior of Vehtari et al. (PSIS; ArviZ's ``psislw``). ``NaN`` when
+    ``top_lw`` ``(n, K)`` out of ``num_samples``: the generalised Pareto shape fitted by
+    Zhang & Stephens (2009) to the ``M = min(0.2 S, 3 sqrt(S), K - 1)`` largest weights above
+    the next one, with the weak prior of Vehtari et al. (PSIS; ArviZ's ``psislw``). ``NaN`` when
     the tail has no spread (e.g. all weights equal)."""
     S = int(num_samples)
-    M = int(min(0.2 * S, 3.0 * math.sqrt(S)))
     top = -np.sort(-np.asarray(top_lw, np.float64), 1)  # descending
-    if M < 5 or top.shape[1] < M + 1:
+    M = min(int(min(0.2 * S, 3.0 * math.sqrt(S))), top.shape[1] - 1)
+    if M < 5:
         return np.full(top.shape[0], np.nan)
     hi = top[:, :1]
     x = np.exp(top[:, :M][:, ::-1] - hi) - np.exp(top[:, M:M + 1] - hi)  # ascending
@@ -353,11 +364,13 @@ def adaptive_importance_sampling(run_round: Callable, key, num_samples: int, bat
             "rounds": R, "rest": rest}
 
 
-def num_top_weights(num_samples: int, batch_size: int, max_rounds: int = MAX_ROUNDS) -> int:
-    """How many of the largest log weights a round keeps per group: enough for the Pareto
-    tail of the pooled sample of ``max_rounds`` rounds."""
+def num_top_weights(num_samples: int, batch_size: int) -> int:
+    """How many of the largest log weights a round keeps per group: the Pareto tail of the
+    pooled sample of :data:`MAX_ROUNDS` rounds (more rounds use this many: the tail of
+    :func:`pareto_khat` is capped by what is kept, so that the program does not depend on
+    ``max_samples``)."""
     nb = max(1, -(-int(num_samples) // int(batch_size)))
-    total = nb * int(batch_size) * int(max_rounds)
+    total = nb * int(batch_size) * MAX_ROUNDS
     return int(min(0.2 * total, 3.0 * math.sqrt(total))) + 1
 
 

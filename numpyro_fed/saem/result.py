@@ -703,7 +703,7 @@ class SAEMResult:
         max_rounds = (lik.MAX_ROUNDS if max_samples is None
                       else max(1, max_samples // per_round))
         z, H, _, _ = self._modes()
-        num_top = lik.num_top_weights(num_samples, batch_size, max_rounds)
+        num_top = lik.num_top_weights(num_samples, batch_size)
         prog = self._program(
             ("is", num_samples, df, batch_size, num_top),
             lambda a, kw, ids: lambda tc, zs, z, H, k: lik.importance_round(
