@@ -119,6 +119,48 @@ def test_importance_sampling_m2ll_and_its_se_are_honest(default_fit, name):
     assert again["m2ll"] == pytest.approx(errs[0] + exact, abs=1e-9)
 
 
+# The issue's criterion (issue 28): over 20 seeds, the default -2LL within 2 reported SE of
+# the exact value in >= 90% of them, on the nested binomial cbpp_olre (15 herds, groups of up
+# to 5 latents), crossed Penicillin and nested Pastes / Oats (linear Gaussian: the default is
+# the closed form, SE 0, scored within 1e-3 of exact as float32 round-off) and the
+# single-factor binomial cbpp and Poisson epil, each fitted once with the defaults (seed 0).
+# An HONEST SE misses 3 or more of 20 seeds with probability 6% (4.55% per seed), so the
+# 20-seed count is checked on fixed seeds 100-119 together with the sharper 40-seed checks of
+# the test above (>= 33 within, |mean err| <= 3.5 SE / sqrt(40), sd/SE in [0.6, 1.6]).
+# Measured (seeds 100-139): within 19/38, 20/40 (exact), 20/40, 20/40, 20/40, 20/37; sd/SE
+# 0.92 (cbpp_olre), 0.90 (cbpp), 1.24 (epil; 1.06 over 200 other seeds). The code before
+# (importance sampling from the draws' moments by default) had 17/20 on cbpp_olre -- a 6%
+# event for its SE, honest too (189/200 within over 200 other seeds).
+SWEEP_CASES = ["cbpp_olre", "penicillin", "pastes", "oats", "cbpp", "epil"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SWEEP_CASES)
+def test_default_m2ll_is_honest_over_20_seeds(default_fit, name):
+    case, res = default_fit(name)
+    exact = -2.0 * case.exact_loglik(res.params)
+    errs, ses = [], []
+    for seed in range(NUM_SEEDS):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            ll = res.log_likelihood(jax.random.key(100 + seed))
+        assert ll["method"] == ("exact" if case.linear else "is"), ll["method"]
+        errs.append(ll["m2ll"] - exact)
+        ses.append(ll["m2ll_se"])
+    errs, ses = np.asarray(errs), np.asarray(ses)
+    within = np.abs(errs) <= np.maximum(2.0 * ses, 1e-3)
+    msg = (f"{name}: exact {exact:.4f}; errors {np.round(errs, 4).tolist()}; SE "
+           f"{np.round(ses, 4).tolist()}; first 20 within: {int(within[:20].sum())}/20")
+    assert int(within[:20].sum()) >= 18, msg
+    assert int(within.sum()) >= MIN_WITHIN_2SE, msg
+    if not case.linear:
+        se = float(np.mean(ses))
+        assert 0.0 < se < MAX_SE, msg
+        assert abs(errs.mean()) <= MEAN_ERR_IN_SE_OVER_SQRT_N * se / np.sqrt(NUM_SEEDS), msg
+        lo, hi = SD_RATIO_RANGE
+        assert lo <= errs.std(ddof=1) / se <= hi, msg
+
+
 # Deterministic methods (no seed): the error is quadrature/approximation error plus float32
 # round-off of the model's log-density (a -2LL of ~1750 in float32 carries ~1e-4).
 # - gq: adaptive Gauss-Hermite at the conditional modes, 12 nodes per axis for 2 REs, 8 for
