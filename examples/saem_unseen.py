@@ -6,7 +6,8 @@ zero-mean random effects; Dyestuff; Orthodont), nonlinear growth and PK models (
 Loblolly, Theophylline in long format), a binomial (cbpp) and a Poisson (epil) GLMM -- each
 with its exact maximum-likelihood reference (closed form or adaptive Gauss--Hermite
 quadrature). For every case and seed, ``SAEM(model).run(key, **data)`` with no settings,
-then the exact -2LL at the estimate and the importance-sampling -2LL the fit reports.
+then the exact -2LL at the estimate and the -2LL the fit reports (``log_likelihood()``:
+closed form for the linear Gaussian models, importance sampling for the others).
 
 Usage::
 
@@ -62,7 +63,8 @@ def main(argv=None) -> int:
         "",
         "`python examples/saem_unseen.py`: `SAEM(model).run(key, **data)` with no settings. "
         "gap: exact -2LL at the estimate minus the exact minimum; IS err: the fit's "
-        "importance-sampling -2LL minus the exact minimum; worst: the quantity furthest from "
+        "reported -2LL (closed form if linear Gaussian, else importance sampling) minus the "
+        "exact minimum; worst: the quantity furthest from "
         "its tolerance (error in SE of the exact MLE).",
         "",
         "| case | seed | ok | -2LL gap | IS err | worst (err/SE) | s (incl. compile) | warnings |",

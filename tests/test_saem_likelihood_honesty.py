@@ -119,6 +119,48 @@ def test_importance_sampling_m2ll_and_its_se_are_honest(default_fit, name):
     assert again["m2ll"] == pytest.approx(errs[0] + exact, abs=1e-9)
 
 
+# The issue's criterion (issue 28): over 20 seeds, the default -2LL within 2 reported SE of
+# the exact value in >= 90% of them, on the nested binomial cbpp_olre (15 herds, groups of up
+# to 5 latents), crossed Penicillin and nested Pastes / Oats (linear Gaussian: the default is
+# the closed form, SE 0, scored within 1e-3 of exact as float32 round-off) and the
+# single-factor binomial cbpp and Poisson epil, each fitted once with the defaults (seed 0).
+# An HONEST SE misses 3 or more of 20 seeds with probability 6% (4.55% per seed), so the
+# 20-seed count is checked on fixed seeds 100-119 together with the sharper 40-seed checks of
+# the test above (>= 33 within, |mean err| <= 3.5 SE / sqrt(40), sd/SE in [0.6, 1.6]).
+# Measured (seeds 100-139): within 19/38, 20/40 (exact), 20/40, 20/40, 20/40, 20/37; sd/SE
+# 0.92 (cbpp_olre), 0.90 (cbpp), 1.24 (epil; 1.06 over 200 other seeds). The code before
+# (importance sampling from the draws' moments by default) had 17/20 on cbpp_olre -- a 6%
+# event for its SE, honest too (189/200 within over 200 other seeds).
+SWEEP_CASES = ["cbpp_olre", "penicillin", "pastes", "oats", "cbpp", "epil"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SWEEP_CASES)
+def test_default_m2ll_is_honest_over_20_seeds(default_fit, name):
+    case, res = default_fit(name)
+    exact = -2.0 * case.exact_loglik(res.params)
+    errs, ses = [], []
+    for seed in range(NUM_SEEDS):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            ll = res.log_likelihood(jax.random.key(100 + seed))
+        assert ll["method"] == ("exact" if case.linear else "is"), ll["method"]
+        errs.append(ll["m2ll"] - exact)
+        ses.append(ll["m2ll_se"])
+    errs, ses = np.asarray(errs), np.asarray(ses)
+    within = np.abs(errs) <= np.maximum(2.0 * ses, 1e-3)
+    msg = (f"{name}: exact {exact:.4f}; errors {np.round(errs, 4).tolist()}; SE "
+           f"{np.round(ses, 4).tolist()}; first 20 within: {int(within[:20].sum())}/20")
+    assert int(within[:20].sum()) >= 18, msg
+    assert int(within.sum()) >= MIN_WITHIN_2SE, msg
+    if not case.linear:
+        se = float(np.mean(ses))
+        assert 0.0 < se < MAX_SE, msg
+        assert abs(errs.mean()) <= MEAN_ERR_IN_SE_OVER_SQRT_N * se / np.sqrt(NUM_SEEDS), msg
+        lo, hi = SD_RATIO_RANGE
+        assert lo <= errs.std(ddof=1) / se <= hi, msg
+
+
 # Deterministic methods (no seed): the error is quadrature/approximation error plus float32
 # round-off of the model's log-density (a -2LL of ~1750 in float32 carries ~1e-4).
 # - gq: adaptive Gauss-Hermite at the conditional modes, 12 nodes per axis for 2 REs, 8 for
@@ -328,3 +370,77 @@ def test_annealing_with_covariance_and_scale_corr_omega():
     assert est[4] == pytest.approx(float(mle[4]), rel=0.02)
     for m, m_hat in ((est[0], mle[0]), (est[2], mle[2])):
         np.testing.assert_allclose(m, m_hat, atol=0.02)
+
+
+# ================================================================ 3. the estimator's parts
+def _fake_rounds(log_w_sampler, n, per_round, key=0):
+    """``run_round`` for :func:`adaptive_importance_sampling` from a sampler of log weights
+    ``(per_round, n)``: all draws in the Laplace component's half and the other half alike
+    (both halves drawn from the same law), as :func:`importance_round` returns them."""
+    from numpyro_fed.saem.likelihood import num_top_weights
+
+    num_top = num_top_weights(per_round, per_round)
+    half = -(-per_round // 2)
+
+    def run_round(k):
+        lw = np.asarray(log_w_sampler(k, per_round, n), np.float64)
+        parts = [lw[:half], lw[half:]]
+        st = np.stack([np.stack([p.max(0), np.exp(p - p.max(0)).sum(0),
+                                 np.exp(2 * (p - p.max(0))).sum(0)]) for p in parts], 1)
+        top = -np.sort(-lw.T, 1)[:, :num_top]
+        return st, top, 0.0
+
+    return run_round
+
+
+def test_pareto_khat_tells_light_from_heavy_tails():
+    """k-hat of Pareto(1/k) weights (true tail index k) from 5000 draws: measured 0.37 for k =
+    0.3 and 0.87-1.04 for k = 1; log-normal(0, 0.5) weights (all moments finite) give
+    k-hat < 0.2 (log-normal(0, 1) weights, whose tail looks heavy at S = 5000, 0.16-0.48).
+    Bounds at the decision thresholds 0.5 / 0.7."""
+    from numpyro_fed.saem.likelihood import pareto_khat
+
+    rng = np.random.default_rng(0)
+    S = 5000
+    light = np.log(rng.pareto(1 / 0.2, (3, S)) + 1)
+    heavy = np.log(rng.pareto(1 / 1.0, (3, S)) + 1)
+    lognorm = 0.5 * rng.normal(size=(3, S))
+    assert np.all(pareto_khat(light, S) < 0.5)
+    assert np.all(pareto_khat(lognorm, S) < 0.5)
+    assert np.all(pareto_khat(heavy, S) > 0.7)
+
+
+def test_adaptive_rounds_stop_when_weights_are_light_and_run_on_when_heavy():
+    from jax import random
+
+    from numpyro_fed.saem.likelihood import adaptive_importance_sampling
+
+    light = _fake_rounds(lambda k, s, n: np.asarray(0.3 * random.normal(k, (s, n))), 4, 2000)
+    r = adaptive_importance_sampling(light, random.key(0), 2000, 2000, max_rounds=5)
+    assert r["rounds"] == 1 and r["num_samples"] == 2000 and np.all(r["khat"] < 0.5)
+    heavy = _fake_rounds(lambda k, s, n: np.log(np.asarray(random.pareto(k, 1.0, (s, n))) + 1),
+                         4, 2000)
+    r = adaptive_importance_sampling(heavy, random.key(0), 2000, 2000, max_rounds=5)
+    assert r["rounds"] == 5 and r["num_samples"] == 10_000 and np.all(r["khat"] > 0.7)
+
+
+def test_log_of_mean_weight_is_jensen_corrected_over_many_groups():
+    """Many groups, few draws each: the log of a mean weight is biased by -var/2 per group
+    (Jensen), n times over, while the SE grows like sqrt(n). 4000 groups of log-normal(0, 1)
+    weights (true log mean 0.5), 400 draws per group (one round): per-group variance of the
+    estimate (e - 1)/400 = 0.0043, so the uncorrected sum is biased by -8.6 against an SE of
+    sqrt(4000 * 0.0043) = 4.1 (2.1 SE); measured over keys 0-3: -2.7 to -3.7 SE uncorrected,
+    -0.7 to -1.7 SE corrected (what is left comes from estimating each variance from the same
+    skewed draws). The reported per-group variances are the delta-method ones (within 10%)."""
+    from jax import random
+
+    from numpyro_fed.saem.likelihood import adaptive_importance_sampling
+
+    n, S = 4000, 400
+    run = _fake_rounds(lambda k, s, n: np.asarray(random.normal(k, (s, n))), n, S)
+    r = adaptive_importance_sampling(run, random.key(1), S, S, max_rounds=1)
+    se = float(np.sqrt(np.sum(r["var_i"])))
+    err = float(np.sum(r["ll_i"])) - 0.5 * n
+    assert abs(err) < 3 * se, (err, se)
+    assert float(np.sum(r["ll_i"] - 0.5 * r["var_i"])) - 0.5 * n < -1.5 * se
+    np.testing.assert_allclose(np.mean(r["var_i"]), (np.e - 1) / S, rtol=0.1)

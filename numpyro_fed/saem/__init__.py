@@ -22,7 +22,7 @@ Modules (each importing only those above it):
 
 from numpyro_fed.errors import ConvergenceWarning, SingularFitWarning
 from numpyro_fed.saem.fit import SAEM, SAEMState, fit_saem
-from numpyro_fed.saem.likelihood import annealed_importance_sampling
+from numpyro_fed.saem.likelihood import LikelihoodWarning, annealed_importance_sampling
 from numpyro_fed.saem.model import log_joint_per_subject
 from numpyro_fed.saem.mstep import SufficientStatistics
 from numpyro_fed.saem.result import SAEMResult
@@ -35,6 +35,7 @@ __all__ = [
     "Schedule",
     "SufficientStatistics",
     "ConvergenceWarning",
+    "LikelihoodWarning",
     "SingularFitWarning",
     "annealed_importance_sampling",
     "fit_saem",

@@ -1,13 +1,24 @@
 """Marginal likelihood :math:`\\log p(y\\mid\\hat\\theta)` of a fitted mixed-effects model.
 
-Three methods, per subject when the model has subjects (the marginal likelihood factorises,
-:math:`\\log p(y\\mid\\theta) = \\sum_i\\log\\int p(y_i, z_i\\mid\\theta)\\,dz_i`), each on the
-unconstrained latents (the Jacobian of the latent transforms included):
+The marginal likelihood factorises over subjects, or over the connected groups of latents of
+a model with several grouping factors (:func:`~numpyro_fed.saem.model.group_layout`):
+:math:`\\log p(y\\mid\\theta) = \\sum_i\\log\\int p(y_i, z_i\\mid\\theta)\\,dz_i`. Methods, each on
+the unconstrained latents (the Jacobian of the latent transforms included):
 
-- ``"is"`` -- importance sampling with a multivariate Student-t proposal per subject, centred
-  at the conditional mean of the subject's latents with their conditional covariance, both
-  from the draws at :math:`\\hat\\theta` (saemix's ``llis``); the Monte Carlo standard error
-  is reported (delta method on each subject's mean weight).
+- ``"exact"`` -- the closed form of a linear Gaussian model (:func:`gaussian_exact`): the
+  Laplace value at the exact conditional mode, after checking that each integrand is
+  quadratic. ``SAEMResult.log_likelihood``'s default ``"auto"`` uses it where the check
+  passes and ``"is"`` elsewhere.
+- ``"is"`` -- defensive importance sampling per group (:func:`is_proposals`,
+  :func:`importance_round`): a mixture of two multivariate t, one at the conditional mode
+  with the inverse Hessian there (Laplace), one at the conditional mean and covariance of the
+  final draws (saemix's ``llis``), so that neither a poorly mixed E-step nor a non-Gaussian
+  posterior leaves the sampler without a good proposal. The estimate per group is
+  Jensen-corrected and its Monte Carlo SE is the delta method's; rounds of draws go on
+  (:func:`adaptive_importance_sampling`) while a group's weights look heavy-tailed (Pareto
+  :math:`\\hat k` above :data:`PARETO_K_MORE`) or its SE exceeds :data:`MAX_GROUP_SE`, and a
+  :class:`LikelihoodWarning` says when :math:`\\hat k` stays above :data:`PARETO_K_WARN` (the
+  SE cannot then be trusted).
 - ``"gq"`` -- adaptive Gauss--Hermite quadrature (up to 3 latent coordinates per subject):
   nodes placed at each subject's conditional mode and scaled by the Cholesky factor of the
   inverse Hessian there (Pinheiro & Bates 1995; lme4's ``nAGQ``).
@@ -21,6 +32,7 @@ Gruffaz et al. 2024.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 
 import jax
@@ -42,7 +54,9 @@ from numpyro_fed.saem.model import (
 )
 
 __all__ = ["importance_sampling", "gauss_hermite", "laplace", "conditional_modes",
-           "gaussian_exact",
+           "gaussian_exact", "gaussian_exact_at_modes", "is_proposals", "importance_round",
+           "adaptive_importance_sampling", "pareto_khat", "combine_rounds",
+           "LikelihoodWarning",
            "annealed_importance_sampling", "observation_jacobian"]
 
 
@@ -92,16 +106,58 @@ def conditional_moments(layout: SubjectLayout, zs):
     return mu, cov
 
 
-def importance_sampling(info: ModelInfo, layout: SubjectLayout | None, ids, theta_c, zs, args,
-                        kwargs, key, num_samples: int = 5000, df: float = 4.0,
-                        batch_size: int = 500, inflate: float = 1.0):
-    """Per-subject log-likelihoods by importance sampling with multivariate-t proposals.
+class LikelihoodWarning(UserWarning):
+    """The importance-sampling -2LL and its Monte Carlo SE cannot be trusted as reported:
+    the importance weights of some subject (connected group) are too heavy-tailed (Pareto
+    :math:`\\hat k` above :data:`PARETO_K_WARN`) even after :data:`MAX_ROUNDS` rounds of
+    draws."""
 
-    :return: ``(ll_i (n,), var_i (n,), rest)`` -- per-subject estimates, the variances of
-        these estimates (delta method), and the log-density terms that depend on no latent.
-    """
+
+#: a group whose weights have a Pareto :math:`\\hat k` above this (their variance is infinite
+#: when :math:`k > 1/2`: the delta-method SE is then not honest) gets more draws
+PARETO_K_MORE = 0.5
+#: Pareto :math:`\\hat k` above which the estimate is unreliable whatever the sample size
+#: (Vehtari et al. 2024, "Pareto smoothed importance sampling", JMLR: above 0.7 the
+#: pre-asymptotic error of the mean decays too slowly for any practical sample size)
+PARETO_K_WARN = 0.7
+#: a group whose estimate has a Monte Carlo SE above this (on its log-likelihood) gets more
+#: draws: the delta method (log of a mean weight, its SE and its bias -var/2) is accurate when
+#: the relative SE of the mean weight is small
+MAX_GROUP_SE = 0.1
+#: at most this many rounds of ``num_samples`` draws per group
+MAX_ROUNDS = 8
+
+
+def _sqrt_inv_hessian(H, dt):
+    """A square root ``S`` of :math:`H^{-1}` (``S S^T = H^{-1}``), its inverse and
+    :math:`\\log|\\det S|`, from the eigen-decomposition of the symmetric ``H`` ``(n, q, q)``
+    with its eigenvalues' magnitudes floored (a non-convex point still gives a proper
+    proposal scale)."""
+    lam, V = jnp.linalg.eigh(H)
+    lam = jnp.abs(lam)
+    lam = jnp.maximum(lam, 1e-6 * jnp.max(lam, -1, keepdims=True) + jnp.finfo(dt).tiny)
+    S = V * (lam ** -0.5)[..., None, :]
+    S_inv = jnp.swapaxes(V * (lam ** 0.5)[..., None, :], -1, -2)
+    return S, S_inv, -0.5 * jnp.sum(jnp.log(lam), -1)
+
+
+def is_proposals(layout: SubjectLayout | None, info: ModelInfo, zs, z_mode, H):
+    """The two multivariate-t components of the importance proposal of each subject
+    (connected group), as ``(means (2, n, q), scales (2, n, q, q), inverse scales
+    (2, n, q, q), log|det scale| (2, n))``:
+
+    0. **Laplace**: centred at the conditional mode ``z_mode`` with scale
+       :math:`H_i^{-1/2}` (``H`` the negative Hessian blocks of :math:`\\log p(y_i, z_i\\mid
+       \\theta)` there, :func:`conditional_modes`): exact up to the tails for a Gaussian
+       integrand, and independent of how well the E-step's chains mixed;
+    1. **draws**: centred at the conditional mean of the final draws with their covariance
+       (saemix's ``llis``): it covers a skewed or multimodal posterior that the Laplace
+       component misses.
+
+    A component that is not finite for a group (a failed mode search, draws that are NaN) is
+    replaced by the other one for that group."""
     lay = _layout_or_joint(info, layout)
-    n, q = lay.n, lay.q
+    q = lay.q
     mu, cov = conditional_moments(lay, zs)
     dt = mu.dtype
     eye = jnp.eye(q, dtype=dt)
@@ -111,29 +167,244 @@ def importance_sampling(info: ModelInfo, layout: SubjectLayout | None, ids, thet
         real = jnp.asarray(~pad, dt)
         cov = cov * real[:, :, None] * real[:, None, :] + jnp.asarray(pad, dt)[..., None] * eye
     scale = jnp.mean(jnp.diagonal(cov, axis1=-2, axis2=-1), -1)[:, None, None]
-    cov = inflate * cov + 1e-8 * scale * eye + 1e-12 * eye
+    cov = cov + 1e-8 * scale * eye + 1e-12 * eye
     L = jnp.linalg.cholesky(cov)
+    L_inv = jnp.linalg.inv(L)
     logdet_L = jnp.sum(jnp.log(jnp.diagonal(L, axis1=-2, axis2=-1)), -1)
+    m_a = to_blocks(z_mode, lay.zidx)
+    S_a, S_a_inv, logdet_a = _sqrt_inv_hessian(H, dt)
+
+    def finite(m, S, Si, ld):
+        return (jnp.all(jnp.isfinite(m), -1) & jnp.all(jnp.isfinite(S), (-1, -2))
+                & jnp.all(jnp.isfinite(Si), (-1, -2)) & jnp.isfinite(ld))
+
+    ok_a = finite(m_a, S_a, S_a_inv, logdet_a)
+    ok_b = finite(mu, L, L_inv, logdet_L)
+    comps = [(m_a, S_a, S_a_inv, logdet_a), (mu, L, L_inv, logdet_L)]
+
+    def pick(k):
+        own, other = comps[k], comps[1 - k]
+        ok = ok_a if k == 0 else ok_b
+        return tuple(jnp.where(ok.reshape(ok.shape + (1,) * (a.ndim - 1)), a, b)
+                     for a, b in zip(own, other, strict=True))
+
+    parts = [pick(0), pick(1)]
+    return tuple(jnp.stack([parts[0][j], parts[1][j]]) for j in range(4))
+
+
+def importance_round(info: ModelInfo, layout: SubjectLayout | None, ids, theta_c, proposals,
+                     args, kwargs, key, num_samples: int = 5000, df: float = 4.0,
+                     batch_size: int = 500, num_top: int = 0):
+    """One round of importance sampling from the two-component t mixture of
+    :func:`is_proposals` (defensive importance sampling, Hesterberg 1995: within each batch
+    the first ``ceil(batch_size / 2)`` draws come from the Laplace component and the others
+    from the draws' component, and every weight is :math:`p(y_i, z\\mid\\theta) /
+    \\sum_k \\alpha_k q_{ik}(z)` with :math:`\\alpha_k` the fractions drawn -- the balance
+    heuristic of multiple importance sampling, unbiased; a weight is at most
+    :math:`1/\\alpha_k` times the weight under either component alone).
+
+    :return: ``(stats, top, rest)``: per component ``k`` and group ``i`` the sufficient
+        statistics ``stats`` ``(3, 2, n)`` = (max log weight, sum of ``exp(lw - max)``, sum
+        of ``exp(2 (lw - max))``); the ``num_top`` largest log weights of each group
+        ``(n, num_top)`` (for the Pareto :math:`\\hat k`); the log-density terms that depend
+        on no latent.
+    """
+    lay = _layout_or_joint(info, layout)
+    n, q = lay.n, lay.q
+    means, scales, inv_scales, logdets = proposals
+    dt = means.dtype
     f = _per_subject_fn(info, lay, ids, theta_c, args, kwargs)
     nb = max(1, -(-int(num_samples) // int(batch_size)))
+    n_a = -(-int(batch_size) // 2)
+    n_b = int(batch_size) - n_a
+    comp = np.arange(int(batch_size)) >= n_a  # (B,): False = Laplace, True = draws
+    log_alpha = np.log(np.array([n_a, max(n_b, 1)], np.float64) / batch_size)
+    use_b = n_b > 0
 
     def one_batch(k):
         x, w = _student_t(k, df, (batch_size, n, q), dt)
         xw = x / jnp.sqrt(w)[..., None]  # whitened t draws
-        b = mu + jnp.einsum("nij,snj->sni", L, xw)
-        lq = _mvt_logpdf(xw, logdet_L, df, q)  # (S, n)
+        c = jnp.asarray(comp)[:, None, None]
+        m = jnp.where(c, means[1], means[0])
+        b = m + jnp.where(c, jnp.einsum("nij,snj->sni", scales[1], xw),
+                          jnp.einsum("nij,snj->sni", scales[0], xw))
+        lq0 = _mvt_logpdf(jnp.einsum("nij,snj->sni", inv_scales[0], b - means[0]),
+                          logdets[0], df, q)
+        if use_b:
+            lq1 = _mvt_logpdf(jnp.einsum("nij,snj->sni", inv_scales[1], b - means[1]),
+                              logdets[1], df, q)
+            lq = jnp.logaddexp(log_alpha[0] + lq0, log_alpha[1] + lq1)
+        else:
+            lq = lq0
         lp, rest = jax.vmap(lambda bb: f(from_blocks(bb, lay.zidx)))(b)
         lp = lp + pad_log_density(b, lay.zidx)
-        return lp - lq, rest[0]
+        lw = lp - lq
+        # a draw where the integrand is not finite (an overflow far in the tails) weighs 0
+        return jnp.where(jnp.isnan(lw) | (lw == jnp.inf), -jnp.inf, lw), rest[0]
 
-    lw, rest = lax.map(one_batch, random.split(key, nb))
-    lw = lw.reshape(nb * batch_size, n)
-    mx = jnp.max(lw, 0)
-    w = jnp.exp(lw - mx)
-    mean_w = jnp.mean(w, 0)
-    ll_i = mx + jnp.log(mean_w)
-    var_i = jnp.var(w, 0) / (w.shape[0] * mean_w**2)
-    return ll_i, var_i, rest[0]
+    lw, rest = lax.map(one_batch, random.split(key, nb))  # (nb, B, n)
+
+    def stats(sel):
+        lws = jnp.where(sel[None, :, None], lw, -jnp.inf)
+        mx = jnp.max(lws, (0, 1))
+        mx_ = jnp.where(jnp.isfinite(mx), mx, 0.0)
+        e = jnp.exp(lws - mx_)
+        return jnp.stack([mx, jnp.sum(e, (0, 1)), jnp.sum(e * e, (0, 1))])
+
+    st = jnp.stack([stats(jnp.asarray(~comp)), stats(jnp.asarray(comp))], 1)  # (3, 2, n)
+    k_top = min(int(num_top), nb * int(batch_size))
+    top = (lax.top_k(lw.reshape(-1, n).T, k_top)[0] if k_top > 0
+           else jnp.zeros((n, 0), dt))
+    return st, top, rest[0]
+
+
+def pareto_khat(top_lw: np.ndarray, num_samples: int) -> np.ndarray:
+    """Pareto :math:`\\hat k` of each row's importance weights from its largest log weights
+    ``top_lw`` ``(n, K)`` out of ``num_samples``: the generalised Pareto shape fitted by
+    Zhang & Stephens (2009) to the ``M = min(0.2 S, 3 sqrt(S), K - 1)`` largest weights above
+    the next one, with the weak prior of Vehtari et al. (PSIS; ArviZ's ``psislw``). ``NaN`` when
+    the tail has no spread (e.g. all weights equal)."""
+    S = int(num_samples)
+    top = -np.sort(-np.asarray(top_lw, np.float64), 1)  # descending
+    M = min(int(min(0.2 * S, 3.0 * math.sqrt(S))), top.shape[1] - 1)
+    if M < 5:
+        return np.full(top.shape[0], np.nan)
+    hi = top[:, :1]
+    x = np.exp(top[:, :M][:, ::-1] - hi) - np.exp(top[:, M:M + 1] - hi)  # ascending
+    with np.errstate(all="ignore"):
+        m_est = 30 + int(math.sqrt(M))
+        b = 1.0 - np.sqrt(m_est / (np.arange(1, m_est + 1) - 0.5))  # (m,)
+        quart = x[:, int(M / 4 + 0.5) - 1][:, None]
+        b = b[None, :] / (3.0 * quart) + 1.0 / x[:, -1:]  # (n, m)
+        k = np.mean(np.log1p(-b[:, :, None] * x[:, None, :]), -1)  # (n, m)
+        ls = M * (np.log(-(b / k)) - k - 1.0)
+        wts = 1.0 / np.sum(np.exp(ls[:, None, :] - ls[:, :, None]), -1)
+        wts = np.where(np.isfinite(wts), wts, 0.0)
+        wts = wts / np.sum(wts, 1, keepdims=True)
+        b_post = np.sum(b * wts, 1)
+        k_post = np.mean(np.log1p(-b_post[:, None] * x), 1)
+        k_post = (M * k_post + 10 * 0.5) / (M + 10)
+    ok = np.isfinite(k_post) & (x[:, -1] > 0)
+    return np.where(ok, k_post, np.nan)
+
+
+def combine_rounds(stats: list, alphas) -> tuple[np.ndarray, np.ndarray]:
+    """Per-group log-likelihoods and their Monte Carlo variances from the pooled statistics
+    of rounds of :func:`importance_round` (``stats``: a list of ``(3, 2, n)`` arrays, each of
+    ``counts`` ``(2,)`` draws per component).
+
+    The estimate of :math:`p_i = \\int p(y_i, z)dz` is the stratified mixture mean
+    :math:`\\hat p_i = \\sum_k \\alpha_k \\bar w_{ik}`, with variance
+    :math:`\\sum_k \\alpha_k^2 s_{ik}^2 / N_k` (each component's own sample variance: the
+    draws are stratified by component, so the between-component spread is not Monte Carlo
+    error). Reported: :math:`\\log\\hat p_i + \\tfrac12 v_i` and :math:`v_i = \\mathrm{Var}
+    (\\hat p_i)/\\hat p_i^2` (delta method), the :math:`+\\tfrac12 v_i` removing the bias
+    :math:`-\\tfrac12 v_i` of the log of a mean (Jensen), which over many groups would
+    otherwise add up to several standard errors.
+
+    :param alphas: ``((alpha_0, alpha_1), (N_0, N_1))``: the fractions of draws per component
+        and the pooled counts.
+    """
+    (a0, a1), (n0, n1) = alphas
+    st = np.stack([np.asarray(s, np.float64) for s in stats])  # (R, 3, 2, n)
+    mx = st[:, 0]  # (R, 2, n)
+    M = np.max(np.where(np.isfinite(mx), mx, -np.inf), (0, 1))  # (n,)
+    M = np.where(np.isfinite(M), M, 0.0)
+    with np.errstate(all="ignore"):
+        sc = np.where(np.isfinite(mx), np.exp(mx - M), 0.0)
+        s1 = np.sum(st[:, 1] * sc, 0)  # (2, n), relative to exp(M)
+        s2 = np.sum(st[:, 2] * sc**2, 0)
+        counts = np.array([n0, max(n1, 1)], np.float64)[:, None]
+        mean = s1 / counts
+        var = np.maximum(s2 / counts - mean**2, 0.0) * counts / np.maximum(counts - 1, 1)
+        alpha = np.array([a0, a1], np.float64)[:, None]
+        if n1 == 0:
+            alpha = np.array([1.0, 0.0])[:, None]
+        p = np.sum(alpha * mean, 0)
+        v = np.sum(alpha**2 * var / counts, 0) / p**2
+        ll = M + np.log(p) + 0.5 * v
+    return ll, v
+
+
+def adaptive_importance_sampling(run_round: Callable, key, num_samples: int, batch_size: int,
+                                 max_rounds: int = MAX_ROUNDS,
+                                 max_group_se: float = MAX_GROUP_SE,
+                                 target_se: float | None = None):
+    """Rounds of :func:`importance_round` (``run_round(key) -> (stats, top, rest)``, one
+    compiled program called again with new keys: nothing compiles after the first round)
+    until every group's weights have a Pareto :math:`\\hat k \\le` :data:`PARETO_K_MORE` and a
+    log-likelihood SE :math:`\\le` ``max_group_se`` (and the SE of :math:`-2\\ell` is at most
+    ``target_se`` when given), or ``max_rounds`` rounds were drawn.
+
+    :return: dict with ``ll_i``, ``var_i`` (per group), ``khat`` (per group),
+        ``num_samples`` (draws per group), ``rounds``, ``rest``.
+    """
+    nb = max(1, -(-int(num_samples) // int(batch_size)))
+    n_a = -(-int(batch_size) // 2)
+    n_b = int(batch_size) - n_a
+    per_round = nb * int(batch_size)
+    stats, tops = [], []
+    rest = None
+    for r in range(int(max_rounds)):
+        st, top, rest = run_round(random.fold_in(key, r))
+        stats.append(np.asarray(st))
+        tops.append(np.asarray(top, np.float64))
+        R = r + 1
+        ll_i, var_i = combine_rounds(stats, ((n_a / batch_size, n_b / batch_size),
+                                             (n_a * nb * R, n_b * nb * R)))
+        pooled = np.concatenate(tops, 1)
+        khat = pareto_khat(pooled, per_round * R)
+        more = (np.any(np.nan_to_num(khat, nan=0.0) > PARETO_K_MORE)
+                or np.any(~(np.sqrt(var_i) <= max_group_se)))
+        if target_se is not None:
+            more = more or 2.0 * math.sqrt(float(np.sum(var_i))) > target_se
+        if not more:
+            break
+    return {"ll_i": ll_i, "var_i": var_i, "khat": khat, "num_samples": per_round * R,
+            "rounds": R, "rest": rest}
+
+
+def num_top_weights(num_samples: int, batch_size: int) -> int:
+    """How many of the largest log weights a round keeps per group: the Pareto tail of the
+    pooled sample of :data:`MAX_ROUNDS` rounds (more rounds use this many: the tail of
+    :func:`pareto_khat` is capped by what is kept, so that the program does not depend on
+    ``max_samples``)."""
+    nb = max(1, -(-int(num_samples) // int(batch_size)))
+    total = nb * int(batch_size) * MAX_ROUNDS
+    return int(min(0.2 * total, 3.0 * math.sqrt(total))) + 1
+
+
+def importance_sampling(info: ModelInfo, layout: SubjectLayout | None, ids, theta_c, zs, args,
+                        kwargs, key, num_samples: int = 5000, df: float = 4.0,
+                        batch_size: int = 500, num_iters: int = 30):
+    """Per-subject log-likelihoods by one round of defensive importance sampling
+    (:func:`is_proposals`, :func:`importance_round`; traceable: no adaptive rounds, no
+    Pareto diagnostic -- :meth:`SAEMResult.log_likelihood
+    <numpyro_fed.saem.SAEMResult.log_likelihood>` adds both).
+
+    :return: ``(ll_i (n,), var_i (n,), rest)`` -- per-subject estimates (Jensen-corrected),
+        the variances of these estimates (delta method), and the log-density terms that
+        depend on no latent.
+    """
+    lay = _layout_or_joint(info, layout)
+    z0 = jnp.mean(jnp.asarray(zs).reshape(-1, zs.shape[-1]), 0)
+    z, H, _, _ = conditional_modes(info, layout, ids, theta_c, z0, args, kwargs, num_iters)
+    props = is_proposals(lay, info, zs, z, H)
+    st, _, rest = importance_round(info, layout, ids, theta_c, props, args, kwargs, key,
+                                   num_samples, df, batch_size)
+    nb = max(1, -(-int(num_samples) // int(batch_size)))
+    n_a = -(-int(batch_size) // 2)
+    n_b = int(batch_size) - n_a
+    mx, s1, s2 = st[0], st[1], st[2]  # (2, n)
+    M = jnp.max(mx, 0)
+    sc = jnp.where(jnp.isfinite(mx), jnp.exp(mx - M), 0.0)
+    counts = jnp.asarray([n_a * nb, max(n_b * nb, 1)], mx.dtype)[:, None]
+    mean = s1 * sc / counts
+    var = jnp.maximum(s2 * sc**2 / counts - mean**2, 0.0) * counts / jnp.maximum(counts - 1, 1)
+    alpha = jnp.asarray([n_a, n_b], mx.dtype)[:, None] / batch_size
+    p = jnp.sum(alpha * mean, 0)
+    v = jnp.sum(alpha**2 * var / counts, 0) / p**2
+    return M + jnp.log(p) + 0.5 * v, v, rest
 
 
 def conditional_modes(info: ModelInfo, layout: SubjectLayout | None, ids, theta_c, z_init,
@@ -198,19 +469,35 @@ def gaussian_exact(info, layout, ids, theta_c, z_init, args, kwargs, key,
     one on a quadratic) IS the marginal likelihood, :math:`\\log p(y_i\\mid\\theta) =
     \\ell_i(\\hat z_i) + \\tfrac q2\\log 2\\pi - \\tfrac12\\log|H_i|`.
 
-    Whether the integrand is quadratic is checked, not assumed: at ``num_checks`` points
-    :math:`\\hat z_i + 3L_i\\varepsilon` (:math:`L_iL_i^\\top = H_i^{-1}`,
-    :math:`\\varepsilon` standard normal) the integrand must equal its quadratic expansion
-    :math:`\\ell_i(\\hat z_i) - \\tfrac92|\\varepsilon|^2` (three conditional standard
-    deviations out, where a cubic or quartic term of a non-Gaussian integrand shows).
+    Whether the integrand is quadratic is checked, not assumed
+    (:func:`gaussian_exact_at_modes`).
 
     :return: ``(ll_i (n,), rest, discrepancy (n,))`` -- the largest absolute difference
         between the integrand and its quadratic expansion over the check points, per subject
         (rounding only, for a linear Gaussian model).
     """
-    lay = _layout_or_joint(info, layout)
     z, H, val, rest = conditional_modes(info, layout, ids, theta_c, z_init, args, kwargs,
                                         num_iters)
+    ll, disc = gaussian_exact_at_modes(info, layout, ids, theta_c, z, H, val, args, kwargs,
+                                       key, num_checks)
+    return ll, rest, disc
+
+
+def gaussian_exact_at_modes(info, layout, ids, theta_c, z, H, val, args, kwargs, key,
+                            num_checks: int = 8):
+    """:func:`gaussian_exact` from the conditional modes ``z``, negative Hessian blocks ``H``
+    and integrand values ``val`` of :func:`conditional_modes` (computed once and shared with
+    the importance sampler).
+
+    The check: at ``num_checks`` points :math:`\\hat z_i + 3L_i\\varepsilon` (:math:`L_iL_i^\\top
+    = H_i^{-1}`, :math:`\\varepsilon` standard normal) the integrand must equal its quadratic
+    expansion :math:`\\ell_i(\\hat z_i) - \\tfrac92|\\varepsilon|^2` (three conditional
+    standard deviations out, where a cubic or quartic term of a non-Gaussian integrand
+    shows).
+
+    :return: ``(ll_i (n,), discrepancy (n,))``.
+    """
+    lay = _layout_or_joint(info, layout)
     dt = z.dtype
     q = lay.q
     sign, logdet = jnp.linalg.slogdet(H)
@@ -229,7 +516,7 @@ def gaussian_exact(info, layout, ids, theta_c, z_init, args, kwargs, key,
 
     disc = jnp.max(jnp.abs(lax.map(at, eps)), 0)
     disc = jnp.where(jnp.isfinite(disc), disc, jnp.inf)
-    return ll, rest, disc
+    return ll, disc
 
 
 def gauss_hermite(info, layout, ids, theta_c, z_init, args, kwargs, num_nodes: int | None = None,

@@ -317,6 +317,10 @@ class SAEMResult:
         self.num_exploration = int(num_exploration)
         self.settings = dict(settings)
         self._ll: dict = {}
+        #: conditional modes and Hessians at theta (see :meth:`_modes`), computed once
+        self._mode_cache = None
+        #: closed-form per-group values and Gaussianity checks (see :meth:`_gaussian_exact`)
+        self._exact_cache = None
         #: constrained flat theta_0 (the start of the trajectory), for the boundary check
         self.theta0_c = (None if theta0 is None else
                          np.asarray(info.theta_c_flat(jnp.asarray(theta0))))
@@ -875,22 +879,29 @@ class SAEMResult:
         return {n: np.asarray(v) for n, v in info.constrain_z(z)[0].items()}
 
     # -- likelihood ---------------------------------------------------------------------------
-    def log_likelihood(self, rng_key: jax.Array | None = None, *, method: str = "is",
+    def log_likelihood(self, rng_key: jax.Array | None = None, *, method: str = "auto",
                        num_samples: int = 5000, df: float = 4.0, batch_size: int = 500,
-                       num_nodes: int | None = None, data_transforms: dict | None = None
-                       ) -> dict:
+                       max_samples: int | None = None, num_nodes: int | None = None,
+                       data_transforms: dict | None = None) -> dict:
         """Marginal log-likelihood at :math:`\\hat\\theta` (see
         :mod:`~numpyro_fed.saem.likelihood`).
 
-        :param method: ``"is"`` (importance sampling, multivariate-t proposals per subject from
-            the conditional mean and covariance of the draws; saemix's ``llis``), ``"gq"``
-            (adaptive Gauss--Hermite quadrature, at most 3 latent coordinates per subject) or
-            ``"laplace"`` (Laplace at the conditional modes), ``"exact"`` (the closed form of
-            a linear Gaussian model -- any number of crossed or nested grouping factors --
-            per subject or connected group: the Laplace value at the exact mode, after checking
-            that each integrand is quadratic in the latents; a ``ValueError`` when it is not)
-            or ``"auto"`` (``"exact"`` where it applies, else ``"is"``; the returned
-            ``method`` says which ran).
+        :param method: ``"auto"`` (the default: ``"exact"`` where it applies, else ``"is"``;
+            the returned ``method`` says which ran), ``"exact"`` (the closed form of a linear
+            Gaussian model -- any number of crossed or nested grouping factors -- per subject
+            or connected group: the Laplace value at the exact mode, after checking that each
+            integrand is quadratic in the latents; a ``ValueError`` when it is not), ``"is"``
+            (importance sampling per subject or connected group from a defensive mixture of
+            two multivariate t: one at the conditional mode with the inverse Hessian there,
+            one at the conditional mean and covariance of the draws (saemix's ``llis``); more
+            rounds of draws while a group's Pareto :math:`\\hat k` exceeds 0.5 or its SE
+            0.1, a :class:`~numpyro_fed.saem.likelihood.LikelihoodWarning` when some
+            :math:`\\hat k` still exceeds 0.7), ``"gq"`` (adaptive Gauss--Hermite
+            quadrature, at most 3 latent coordinates per subject) or ``"laplace"`` (Laplace
+            at the conditional modes).
+        :param num_samples: importance draws per group and round (default 5000).
+        :param max_samples: at most this many draws per group over the rounds (default
+            ``8 * num_samples``; ``num_samples`` for a single round).
         :param data_transforms: ``{site: T}`` for observed sites whose data are
             :math:`v = T^{-1}(y)` (e.g. ``ExpTransform()`` for an exponential error model
             written on :math:`\\log y`): the likelihood is then reported on the scale of
@@ -898,11 +909,13 @@ class SAEMResult:
         :return: dict with ``loglik``, ``m2ll`` (:math:`-2\\ell`), ``m2ll_se`` (Monte Carlo
             standard error, 0 for the deterministic methods), ``aic``, ``bic`` (log of the
             number of subjects when there are subjects, else of the number of
-            observations), ``method``, ``num_subjects``.
+            observations), ``method``, ``requested_method``, ``num_subjects``; for
+            ``"is"`` also ``num_samples`` (draws per group), ``rounds`` and ``pareto_k``
+            (the largest Pareto :math:`\\hat k` over the groups).
         """
         if method not in ("is", "gq", "laplace", "exact", "auto"):
             raise ValueError(
-                f"method={method!r}: use 'is', 'gq', 'laplace', 'exact' or 'auto'.")
+                f"method={method!r}: use 'auto', 'exact', 'is', 'gq' or 'laplace'.")
         # the importance sample is drawn in whole batches: num_samples=0 would draw one batch
         # and report 0 samples, so every size is checked
         num_samples = check_int("num_samples", num_samples, minimum=1,
@@ -910,6 +923,11 @@ class SAEMResult:
         batch_size = check_int("batch_size", batch_size, minimum=1)
         df = check_positive_float("df", df)
         num_nodes = check_int("num_nodes", num_nodes, minimum=1, allow_none=True)
+        max_samples = check_int("max_samples", max_samples, minimum=1, allow_none=True)
+        if max_samples is not None and max_samples < num_samples:
+            raise ValueError(
+                f"`max_samples` ({max_samples}) must be at least `num_samples` "
+                f"({num_samples}), the draws of one round.")
         info, layout = self.info, self.layout
         key = random.key(0) if rng_key is None else rng_key
         args, kwargs = self.args, self.kwargs
@@ -918,6 +936,7 @@ class SAEMResult:
         n = lay.n
         zs = jnp.asarray(self.z_draws)
         requested = method
+        extra: dict = {}
         if method in ("exact", "auto"):
             ll_i, rest, disc = self._gaussian_exact(key, zs)
             worst = int(np.argmax(disc)) if disc.size else 0
@@ -937,13 +956,8 @@ class SAEMResult:
         if method == "exact":
             se = 0.0
         elif method == "is":
-            prog = self._program(
-                ("is", num_samples, df, batch_size),
-                lambda a, kw, ids: lambda tc, zs, key: lik.importance_sampling(
-                    info, layout, ids, tc, zs, a, kw, key, num_samples=num_samples, df=df,
-                    batch_size=batch_size))
-            ll_i, var_i, rest = prog(theta_c, zs, key)
-            se = float(2 * np.sqrt(np.sum(np.asarray(var_i, np.float64))))
+            ll_i, se, rest, extra = self._importance_sampling(
+                key, zs, num_samples, df, batch_size, max_samples)
         else:
             z_init = jnp.mean(zs.reshape(-1, zs.shape[-1]), 0)
             fn = lik.gauss_hermite if method == "gq" else lik.laplace
@@ -975,24 +989,80 @@ class SAEMResult:
             "requested_method": requested,
             "converged": self.converged,
             "convergence_messages": list(self.convergence_messages),
+            **extra,
         }
-        if method == "is":
-            out["num_samples"] = int(-(-num_samples // batch_size) * batch_size)
         self._ll[method] = out
         return out
 
+    def _modes(self):
+        """Conditional modes of the latents at :math:`\\hat\\theta` and the negative Hessian
+        blocks there (:func:`~numpyro_fed.saem.likelihood.conditional_modes`, from the mean
+        of the final draws), computed once per result: ``(z, H, val, rest)``."""
+        if self._mode_cache is None:
+            info, layout = self.info, self.layout
+            zs = jnp.asarray(self.z_draws)
+            z_init = jnp.mean(zs.reshape(-1, zs.shape[-1]), 0)
+            prog = self._program(
+                ("modes",),
+                lambda a, kwa, ids: lambda tc, z0: lik.conditional_modes(
+                    info, layout, ids, tc, z0, a, kwa))
+            self._mode_cache = prog(info.constrain_theta(jnp.asarray(self.theta)), z_init)
+        return self._mode_cache
+
+    def _importance_sampling(self, key, zs, num_samples, df, batch_size, max_samples):
+        """The adaptive defensive importance sampler
+        (:func:`~numpyro_fed.saem.likelihood.adaptive_importance_sampling`): per-group
+        estimates, the SE of -2LL, the latent-free terms and the extra output fields; warns
+        :class:`~numpyro_fed.saem.likelihood.LikelihoodWarning` when some group's weights are
+        too heavy-tailed for the estimate to be trusted."""
+        info, layout = self.info, self.layout
+        per_round = -(-num_samples // batch_size) * batch_size
+        max_rounds = (lik.MAX_ROUNDS if max_samples is None
+                      else max(1, max_samples // per_round))
+        z, H, _, _ = self._modes()
+        num_top = lik.num_top_weights(num_samples, batch_size)
+        prog = self._program(
+            ("is", num_samples, df, batch_size, num_top),
+            lambda a, kw, ids: lambda tc, zs, z, H, k: lik.importance_round(
+                info, layout, ids, tc, lik.is_proposals(layout, info, zs, z, H), a, kw, k,
+                num_samples=num_samples, df=df, batch_size=batch_size, num_top=num_top))
+        tc = info.constrain_theta(jnp.asarray(self.theta))
+        r = lik.adaptive_importance_sampling(lambda k: prog(tc, zs, z, H, k), key, num_samples,
+                                             batch_size, max_rounds=max_rounds)
+        khat = r["khat"]
+        kmax = float(np.nanmax(khat)) if np.any(np.isfinite(khat)) else float("nan")
+        bad = np.nonzero(np.nan_to_num(khat, nan=0.0) > lik.PARETO_K_WARN)[0]
+        if bad.size:
+            warnings.warn(
+                f"log_likelihood(method='is'): the importance weights of subject(s) (groups) "
+                f"{bad[:10].tolist()} have Pareto k-hat up to {kmax:.2f} (> "
+                f"{lik.PARETO_K_WARN}) after {r['num_samples']} draws each: the -2LL and its "
+                "SE cannot be trusted there. Use method='gq' (at most 3 latents per group), "
+                "more draws (max_samples), or check the fit (the draws at the estimate "
+                "build the proposal).", lik.LikelihoodWarning, stacklevel=3)
+        se = float(2 * np.sqrt(np.sum(np.asarray(r["var_i"], np.float64))))
+        extra = {"num_samples": int(r["num_samples"]), "rounds": int(r["rounds"]),
+                 "pareto_k": kmax}
+        return r["ll_i"], se, r["rest"], extra
+
     def _gaussian_exact(self, key, zs):
         """The closed-form per-subject log-likelihoods and their Gaussianity discrepancies
-        (:func:`~numpyro_fed.saem.likelihood.gaussian_exact`), as host arrays."""
-        info, layout = self.info, self.layout
-        z_init = jnp.mean(zs.reshape(-1, zs.shape[-1]), 0)
-        prog = self._program(
-            ("exact",),
-            lambda a, kwa, ids: lambda tc, z0, k: lik.gaussian_exact(
-                info, layout, ids, tc, z0, a, kwa, k))
-        ll_i, rest, disc = prog(info.constrain_theta(jnp.asarray(self.theta)), z_init,
-                                random.fold_in(key, 17))
-        return np.asarray(ll_i, np.float64), rest, np.asarray(disc, np.float64)
+        (:func:`~numpyro_fed.saem.likelihood.gaussian_exact_at_modes`), as host arrays;
+        computed once per result (the check points are drawn from a fixed key, so that the
+        verdict of ``method="auto"`` and the value of ``"exact"`` do not depend on
+        ``rng_key``)."""
+        if self._exact_cache is None:
+            info, layout = self.info, self.layout
+            z, H, val, rest = self._modes()
+            prog = self._program(
+                ("exact",),
+                lambda a, kwa, ids: lambda tc, z, H, val, k: lik.gaussian_exact_at_modes(
+                    info, layout, ids, tc, z, H, val, a, kwa, k))
+            ll_i, disc = prog(info.constrain_theta(jnp.asarray(self.theta)), z, H, val,
+                              random.key(17))
+            self._exact_cache = (np.asarray(ll_i, np.float64), rest,
+                                 np.asarray(disc, np.float64))
+        return self._exact_cache
 
     # -- diagnostics --------------------------------------------------------------------------
     def check_convergence(self, warn: bool = True) -> list[str]:
