@@ -481,8 +481,9 @@ def _newton_step(state: NewtonState, gamma, sc, he, damping, max_step, eig_floor
 
 def _backtrack(objective, x0, step, g, active):
     """The step scaled by the largest ``2^-j`` (``j <= LINE_SEARCH_HALVINGS``) that increases
-    ``objective`` by at least ``1e-4`` of its linear prediction (Armijo), or 0 if none does;
-    the whole step when ``active`` is false (no objective evaluated)."""
+    ``objective`` by at least ``1e-4`` of its linear prediction (Armijo) or makes it
+    non-finite, or 0 if none does; the whole step when ``active`` is false (no objective
+    evaluated)."""
     if objective is None:
         return step
 
@@ -497,7 +498,11 @@ def _backtrack(objective, x0, step, g, active):
             j = c[2]
             a = jnp.asarray(0.5, step.dtype) ** j
             v = objective(x0 + a * step)
-            ok = jnp.isfinite(v) & (v >= f0 + 1e-4 * a * slope)
+            # a step to where the model is not finite is taken: a declared constraint keeps
+            # theta in its domain, so this is a model not defined on the domain its params
+            # declare (e.g. a variance without constraints.positive), which the fit reports
+            # by name at the failing iteration; refusing the step would hide it
+            ok = ~jnp.isfinite(v) | (v >= f0 + 1e-4 * a * slope)
             return jnp.where(ok, a, 0.0).astype(step.dtype), ok, j + 1
 
         a, _, _ = lax.while_loop(cond, body, (jnp.zeros((), step.dtype), jnp.zeros((), bool),
