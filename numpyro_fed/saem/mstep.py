@@ -416,8 +416,53 @@ class NewtonState(NamedTuple):
     Hmod: jax.Array
 
 
+#: SA-Newton steps taken while gamma = 1 (the exploration phase) are backtracked until the
+#: complete-data log-likelihood of the current draws increases (Armijo): at most this many
+#: halvings, after which the step is not taken
+LINE_SEARCH_HALVINGS = 12
+
+
+def _log_scale_mask(info: ModelInfo) -> np.ndarray:
+    """Unconstrained coordinates whose natural scale is 1: those of params whose bijection is
+    elementwise ``exp`` or ``sigmoid`` (with an affine shift): ``positive``, ``greater_than``,
+    ``interval``, ``unit_interval`` -- a step of ``max_step`` there multiplies the value (or
+    its odds) by ``e^max_step``, whatever the value. Every other coordinate is measured
+    against its magnitude (:func:`_step_bounds`)."""
+    from numpyro.distributions import transforms as T
+
+    m = np.zeros(info.dim_theta, bool)
+    for i, n in enumerate(info.param_names):
+        t = info.param_transforms[n]
+        parts = t.parts if isinstance(t, T.ComposeTransform) else [t]
+        if (any(isinstance(q, T.ExpTransform | T.SigmoidTransform) for q in parts)
+                and all(isinstance(q, T.ExpTransform | T.SigmoidTransform | T.AffineTransform)
+                        for q in parts)):
+            m[info.param_offsets_u[i]:info.param_offsets_u[i + 1]] = True
+    return m
+
+
+def _step_bounds(theta, step, max_step, log_scale):
+    """Per coordinate, the largest move a step may make: ``max_step`` on a log (or logit)
+    scale coordinate (``log_scale``); otherwise ``max_step * max(1, |theta|)`` away from 0
+    and, toward 0, ``max(max_step, (1 - e^-max_step) |theta|)``: a coordinate beyond
+    ``max_step`` keeps at least ``e^-max_step`` of its magnitude, so that it neither lands
+    on 0 nor crosses it in one step from afar (before, the bound ``max_step * max(1,
+    |theta|)`` put a Theophylline PKModel's ``mu_V = log V`` from 3.05 exactly on 0 -- V from
+    21 to 1 -- and a log standard deviation ``log omega = -4`` could move by 4, then 8, ...:
+    a variance collapsing at an accelerating rate)."""
+    mag = jnp.abs(theta)
+    away = max_step * jnp.maximum(1.0, mag)
+    toward = jnp.maximum(max_step, (1.0 - np.exp(-max_step)) * mag)
+    rel = jnp.where(step * theta < 0, toward, away)
+    return jnp.where(jnp.asarray(log_scale), max_step, rel)
+
+
 def _newton_step(state: NewtonState, gamma, sc, he, damping, max_step, eig_floor, theta,
-                 gamma_h=None):
+                 gamma_h=None, log_scale=None):
+    """The SA update of the surrogate and its Newton step, scaled as a whole (the direction
+    kept) so that no coordinate moves beyond its bound (:func:`_step_bounds`). Clipping each
+    coordinate on its own, as before, changed the direction of the step: with a noisy
+    one-chain Hessian it could even point downhill."""
     g = state.g + gamma * (sc - state.g)
     H = state.H + (gamma if gamma_h is None else gamma_h) * (he - state.H)
     # Jacobi scaling before the eigen-decomposition: the floor below acts on the curvature of
@@ -433,13 +478,49 @@ def _newton_step(state: NewtonState, gamma, sc, he, damping, max_step, eig_floor
     lam = jnp.maximum(lam, jnp.maximum(eig_floor * jnp.max(lam), 1e-12))
     V = V / d[:, None]  # columns: the eigenvectors mapped back, D^{-1} V
     step = damping * (V @ ((V.T @ g) / lam))
-    # relative to the coordinate's scale: a log-parameter by a factor e^max_step at most, a
-    # location of 1500 by 1500 max_step
-    bound = max_step * jnp.maximum(1.0, jnp.abs(theta))
-    step = jnp.clip(step, -bound, bound)
+    if log_scale is None:
+        log_scale = np.zeros(theta.shape, bool)
+    bound = _step_bounds(theta, step, max_step, log_scale)
+    tiny = jnp.finfo(step.dtype).tiny
+    scale = jnp.minimum(1.0, jnp.min(bound / jnp.maximum(jnp.abs(step), tiny), initial=1.0))
+    step = step * scale
     W = V * (d * d)[:, None]  # D V: -Hmod = D V diag(lam) V^T D
     Hmod = -(W * lam) @ W.T
     return step, NewtonState(g, H, Hmod)
+
+
+def _backtrack(objective, x0, step, g, active):
+    """The step scaled by the largest ``2^-j`` (``j <= LINE_SEARCH_HALVINGS``) that increases
+    ``objective`` by at least ``1e-4`` of its linear prediction (Armijo) or makes it
+    non-finite, or 0 if none does; the whole step when ``active`` is false (no objective
+    evaluated)."""
+    if objective is None:
+        return step
+
+    def search(_):
+        f0 = objective(x0)
+        slope = jnp.vdot(g, step)
+
+        def cond(c):
+            return ~c[1] & (c[2] <= LINE_SEARCH_HALVINGS)
+
+        def body(c):
+            j = c[2]
+            a = jnp.asarray(0.5, step.dtype) ** j
+            v = objective(x0 + a * step)
+            # a step to where the model is not finite is taken: a declared constraint keeps
+            # theta in its domain, so this is a model not defined on the domain its params
+            # declare (e.g. a variance without constraints.positive), which the fit reports
+            # by name at the failing iteration; refusing the step would hide it
+            ok = ~jnp.isfinite(v) | (v >= f0 + 1e-4 * a * slope)
+            return jnp.where(ok, a, 0.0).astype(step.dtype), ok, j + 1
+
+        a, _, _ = lax.while_loop(cond, body, (jnp.zeros((), step.dtype), jnp.zeros((), bool),
+                                              jnp.zeros((), jnp.int32)))
+        # a non-finite objective at the start (a model not finite at these draws): no test
+        return jnp.where(jnp.isfinite(f0), a, 1.0) * step
+
+    return lax.cond(active, search, lambda _: step, None)
 
 
 class NewtonMStep:
@@ -454,8 +535,12 @@ class NewtonMStep:
     replaced by their absolute values (saddle-free Newton, Dauphin et al. 2014), floored at
     ``eig_floor`` times the largest -- eigenvalues of the Jacobi-scaled Hessian
     :math:`D^{-1/2}HD^{-1/2}` (:math:`D = |\\mathrm{diag}\\,H|`), so that the floor does not
-    depend on the units of the coordinates; coordinate :math:`j` of a step is clipped to
-    ``max_step * max(1, |theta_j|)``.
+    depend on the units of the coordinates; the step is scaled (its direction kept) so that no
+    coordinate moves beyond its bound (:func:`_step_bounds`: ``max_step`` on a log scale,
+    relative to the magnitude otherwise), and while :math:`\\gamma = 1` it is backtracked
+    until the complete-data log-likelihood of the current draws increases
+    (:func:`_backtrack`): a Newton step from a noisy or indefinite Hessian can overshoot by
+    orders of magnitude and collapse a variance.
     Annealing floors positive scalar parameters at ``sqrt(anneal_factor)`` times their
     previous value.
     """
@@ -470,9 +555,10 @@ class NewtonMStep:
         self.damping, self.max_step, self.eig_floor = float(damping), float(max_step), eig_floor
         self.tau = anneal_factor
         self.annealed = _positive_mask(info) if annealed is None else annealed
+        self.log_scale = _log_scale_mask(info)
 
     def prepare(self, theta_u, z, data, M):
-        return ()
+        return M  # the centring design: the line search moves the chains with theta
 
     def init(self, theta_u, z, data, aux):
         d = self.info.dim_theta
@@ -482,11 +568,29 @@ class NewtonMStep:
     def update(self, state, gamma, theta_u, z, data, aux, anneal, score_hess):
         sc, he = score_hess
         step, st = _newton_step(state, gamma, sc, he, self.damping, self.max_step,
-                                self.eig_floor, theta_u)
+                                self.eig_floor, theta_u, log_scale=self.log_scale)
+        step = _backtrack(_centred_objective(self.info, theta_u, z, data, aux), theta_u, step,
+                          st.g, gamma >= 1.0)
         theta_new = _anneal_flat(self.info, theta_u, theta_u + step, self.annealed, anneal,
                                  self.tau)
         st = st._replace(g=st.g + st.Hmod @ (theta_new - theta_u))
         return theta_new, st
+
+
+def _centred_objective(info: ModelInfo, theta_u, z, data, M, idx=None, base=None):
+    """``f(x)``: the complete-data log-likelihood averaged over the chains ``z`` (drawn at
+    ``theta_u``) at :math:`\\theta` = ``base`` with coordinates ``idx`` set to ``x`` (all
+    coordinates when ``idx`` is ``None``), the chains moved along the centred coordinates
+    :math:`z - M(\\theta - \\theta_u)` -- the objective whose score and Hessian the SA-Newton
+    step of the centred cycle uses (:func:`~numpyro_fed.saem.model.centred_score_hess`)."""
+    args, kwargs = data
+
+    def f(x):
+        t = x if idx is None else base.at[idx].set(x)
+        return jnp.mean(jax.vmap(
+            lambda zf: info.log_joint(t, zf - M @ (t - theta_u), args, kwargs))(z))
+
+    return f
 
 
 def _positive_mask(info: ModelInfo) -> np.ndarray:
@@ -647,6 +751,7 @@ class GaussianMStep:
         #: the variances held above VARIANCE_FLOOR times their running maximum
         self.floor_mask = self.is_lat_scale | self.is_obs_scale
         self._unravel_c = ravel_pytree(info.theta0_c)[1]
+        self.log_scale = _log_scale_mask(info)
 
     # -- constants --------------------------------------------------------------------------
     def _latent_parts(self, tcf, zf, data):
@@ -916,6 +1021,24 @@ class GaussianMStep:
         H = jax.jacfwd(lambda x: gfn(x, zc))(x0)
         return g, H
 
+    def _nc_objective(self, theta_u, z, data, aux: GaussianAux):
+        """``f(x)``: the objective of :meth:`_nc_score_hess` (mean over the chains ``z``) at
+        the interweaving coordinates ``x``."""
+        args, kwargs = data
+        idx = jnp.asarray(self.nc_idx_u)
+        info = self.info
+
+        def f(x):
+            t = theta_u.at[idx].set(x)
+
+            def one(zf):
+                z2, lj = self._nc_path(t, theta_u, zf, aux)
+                return info.log_joint(t, z2, args, kwargs) + lj
+
+            return jnp.mean(jax.vmap(one)(z))
+
+        return f
+
     def update(self, state: GaussianState, gamma, theta_u, z, data, aux, anneal, score_hess):
         """One M-step (an AECM iteration, Meng & van Dyk 1997): the SA statistics and the
         closed-form cycle (centred); the SA-Newton cycle of the Newton parameters (centred);
@@ -935,7 +1058,8 @@ class GaussianMStep:
             sc, he = score_hess
             theta_new, nw = _block_newton(
                 info, nw, idx, gamma, theta_u, theta_new, sc[idx], he[idx][:, idx], self,
-                self.newton_annealed, anneal, full=True)
+                self.newton_annealed, anneal, full=True,
+                objective=_centred_objective(info, theta_u, z, data, aux.M, idx, theta_new))
         # the floor before the interweaving cycle too: its score differentiates the latents'
         # prior at the closed form's variance (a standard deviation of 1e-15 there -- the
         # moment formula of a variance whose MLE is 0 -- overflowed its float32 score)
@@ -958,7 +1082,8 @@ class GaussianMStep:
                                 jnp.minimum(gamma, 1.0 / mem)).astype(gamma.dtype)
             theta_new, nc = _block_newton(info, nc, idx, gamma, theta_u, theta2, sc, he, self,
                                           self.nc_annealed, anneal, full=False,
-                                          gamma_h=gamma_h)
+                                          gamma_h=gamma_h,
+                                          objective=self._nc_objective(theta2, z2, data, aux))
             if self.spec.mvn_sites:
                 # with MultivariateNormal sites the cycle waits for the end of the annealing
                 # (annealing each variance of the step instead -- at most a factor tau per
@@ -975,16 +1100,19 @@ class GaussianMStep:
 
 
 def _block_newton(info, nw: NewtonState, idx, gamma, theta_old, theta_u, sc, he, opts, mask,
-                  anneal, full: bool, gamma_h=None):
+                  anneal, full: bool, gamma_h=None, objective=None):
     """One SA-Newton cycle on the coordinates ``idx`` of the state ``nw`` (a full ``(d,)``
     state for the centred cycle, a ``(len(idx),)`` one for the interweaving cycle): transport
     the surrogate from ``theta_old`` to ``theta_u`` (earlier cycles moved theta), SA update
     with the new score and Hessian (the Hessian with the step ``gamma_h``, default
-    ``gamma``), step, anneal (relative to ``theta_old``), transport to the new point."""
+    ``gamma``), step (backtracked on ``objective`` of the coordinates ``idx`` while
+    ``gamma = 1``, :func:`_backtrack`), anneal (relative to ``theta_old``), transport to the
+    new point."""
     sub = (NewtonState(nw.g[idx], nw.H[idx][:, idx], nw.Hmod[idx][:, idx]) if full else nw)
     sub = sub._replace(g=sub.g + sub.Hmod @ (theta_u - theta_old)[idx])
     step, sub = _newton_step(sub, gamma, sc, he, opts.damping, opts.max_step, opts.eig_floor,
-                             theta_u[idx], gamma_h)
+                             theta_u[idx], gamma_h, log_scale=jnp.asarray(opts.log_scale)[idx])
+    step = _backtrack(objective, theta_u[idx], step, sub.g, gamma >= 1.0)
     cand = _anneal_flat(info, theta_old, theta_u.at[idx].add(step), mask, anneal, opts.tau)
     sub = sub._replace(g=sub.g + sub.Hmod @ (cand - theta_u)[idx])
     if full:
