@@ -72,7 +72,7 @@ def test_cake_with_an_uncentred_covariate_reaches_the_exact_maximum():
     temp = d["temp"].to_numpy(np.float32)
     y = d["angle"].to_numpy(np.float32)
     res = SAEM(cake_model).run(jax.random.key(0), recipe=recipe, temp=temp, rep=rep, angle=y)
-    est = res.estimates
+    est = res.estimates()
     X = np.stack([np.ones_like(temp), recipe == 1, recipe == 2, temp], 1).astype(float)
     Z1 = np.eye(15)[rep]
     Z2 = np.eye(45)[3 * rep + recipe]
