@@ -7,7 +7,7 @@
 - time-varying covariates: the parameters in force at each record (LOCF), the amounts
   advanced record by record (``numpyro_fed.nlme.timevarying``) against the closed forms
   (constant parameters) and against an ODE solution (``diffrax``) with piecewise-constant
-  parameters; the ``_mode`` column of a parameter without a random effect.
+  parameters; no ``_mode`` column for a parameter without a random effect.
 
 The fit shared by most tests is a short SAEM run on a simulated multiple-dose table (16
 subjects, one steady-state dose then three doses, ``GLYCO`` changing within subjects);
@@ -407,15 +407,19 @@ def test_fit_with_a_time_varying_covariate(tmp_path):
     assert len(fit.vpc_table(jax.random.key(1), num_sims=50)) > 0
 
 
-def test_mode_column_of_a_parameter_without_random_effect(md_fit):
+def test_no_mode_column_for_a_parameter_without_random_effect(md_fit):
+    """KA has no random effect: no conditional mode, mean, sd or eta (issue 29: the table
+    listed a ``KA_mode`` column, the typical value, as if it were an EBE); its per-subject
+    value (population value with the subject's covariates) is individual_parameters
+    ("typical")."""
     fit = md_fit
     ind = fit.individual_estimates()
-    assert {"CL_mode", "V_mode", "KA_mode"} <= set(ind.columns)
-    assert "KA_mean" not in ind.columns and "eta_KA" not in ind.columns
+    assert {"CL_mode", "V_mode", "CL_mean", "V_sd", "eta_CL", "eta_V"} <= set(ind.columns)
+    assert not [c for c in ind.columns if "KA" in c], list(ind.columns)
     wt = np.asarray(fit.data.covariates["WT"], np.float64)
     ref = fit.pk.references["WT"]
     expect = np.exp(float(fit.params["mu_KA"])) * (wt / ref) ** float(fit.params["beta_KA_WT"])
-    np.testing.assert_allclose(ind["KA_mode"].to_numpy(), expect, rtol=1e-5)
+    np.testing.assert_allclose(fit.individual_parameters("typical")["KA"], expect, rtol=1e-5)
 
 
 def test_subjects_by_id(md_fit, tmp_path):

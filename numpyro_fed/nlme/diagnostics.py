@@ -108,6 +108,10 @@ class NLMEFit:
             if key not in est:  # full covariance: a derived row
                 df.loc[f"sd_{n}"] = {"estimate": sd, "se": np.nan, "rse_%": np.nan,
                                      "cv_%": cv}
+        for n in pk.iov:  # inter-occasion variability: CV % of a log-normal parameter
+            key = f"omega_iov_{n}"
+            if key in df.index and pk.params[n].transform == "log":
+                df.loc[key, "cv_%"] = 100 * math.sqrt(math.expm1(float(est[key]) ** 2))
         for n in pk.names:  # typical values on the natural scale
             f = TRANSFORMS[pk.params[n].transform][0]
             df.loc[f"typical_{n}"] = {"estimate": float(f(est[f"mu_{n}"])), "se": np.nan,
@@ -194,9 +198,29 @@ class NLMEFit:
         individual parameters ``{name: (n,)}`` (random ones only), by damped Newton from the
         conditional means (:meth:`numpyro_fed.saem.SAEMResult.conditional_modes`)."""
         if self._modes is None:
-            self._modes = {n: np.asarray(v) for n, v in
-                           self._phi_sites(self.result.conditional_modes()).items()}
+            zc = self.result.conditional_modes()
+            self._modes = {n: np.asarray(v) for n, v in self._phi_sites(zc).items()}
+            self._kappa_modes = {n: np.asarray(zc[f"kappa_{n}"]) for n in self.pk.iov}
         return self._modes
+
+    def occasion_effects(self, kind: str = "mode") -> dict[str, np.ndarray]:
+        """With inter-occasion variability (``PKModel(iov=...)``): the occasion effects
+        :math:`\\kappa` ``{name: (K,)}`` (transformed scale; occasion ``k`` as numbered by
+        :func:`~numpyro_fed.nlme.model.occasion_indices`, ``arrays["occ_obs"]``) at the
+        conditional modes (``"mode"``, jointly with the subjects' modes), the conditional
+        means (``"mean"``) or 0 (``"typical"``); ``{}`` without IOV."""
+        if not self.pk.iov:
+            return {}
+        if kind == "mode":
+            self.conditional_modes()
+            return dict(self._kappa_modes)
+        if kind == "mean":
+            z = self.result.latent_samples()
+            return {n: np.asarray(z[f"kappa_{n}"]).mean(axis=(0, 1)) for n in self.pk.iov}
+        if kind == "typical":
+            K = self._arrays["binding"].occasions
+            return {n: np.zeros(K, np.float32) for n in self.pk.iov}
+        raise ValueError(f"kind={kind!r}: use 'mode', 'mean' or 'typical'.")
 
     def _typical(self, arrays: dict) -> dict:
         pk = self.pk
@@ -231,10 +255,12 @@ class NLMEFit:
     def individual_estimates(self, subjects=None, *, positions=None):
         """Per subject and parameter: the conditional mode (EBE), the conditional mean and
         standard deviation (from the SAEM draws at the final estimate), natural scale, and
-        the random effect :math:`\\hat\\eta` at the mode. Every parameter has a ``_mode``
-        column; for a parameter without a random effect it is its population value with the
-        subject's covariates (no ``_mean``, ``_sd``, ``eta_`` columns). With time-varying
-        covariates the values are at the covariates' references.
+        the random effect :math:`\\hat\\eta` at the mode: columns ``P_mode``, ``P_mean``,
+        ``P_sd``, ``eta_P`` for each parameter ``P`` with a random effect. A parameter without
+        one has no conditional distribution, hence no column (its value for each subject, the
+        population value with the subject's covariates, is
+        ``individual_parameters("typical")``). With time-varying covariates the values are at
+        the covariates' references.
 
         :param subjects: subject IDs to keep (default: all; see :meth:`subject_positions`).
         :param positions: array positions instead of IDs.
@@ -247,10 +273,10 @@ class NLMEFit:
         typ = self._typical(self._arrays)
         modes = self.conditional_modes()
         draws = self._phi_sites(self.result.latent_samples())
-        out = {}
+        out: dict[str, np.ndarray] = {}
         for n in pk.names:
-            out[f"{n}_mode"] = mode[n]
-            if n in draws:
+            if n in draws:  # a parameter with a random effect (no mode without one)
+                out[f"{n}_mode"] = mode[n]
                 fwd = TRANSFORMS[pk.params[n].transform][0]
                 nat = np.asarray(fwd(jnp.asarray(draws[n])))
                 out[f"{n}_mean"] = nat.mean(axis=(0, 1))
@@ -273,27 +299,42 @@ class NLMEFit:
     def _error_params(self):
         return {k: jnp.asarray(self.params[k]) for k in self.pk.error.param_names}
 
-    def _at_records(self, phi: dict, arrays: dict, times=None):
-        """With time-varying covariates: the parameters in force at each observation (or
-        each of ``times``, the covariates carried forward from the records) and dose."""
+    def _at_records(self, phi: dict, arrays: dict, times=None, kappa=None):
+        """With time-varying covariates or occasions: the parameters in force at each
+        observation (or each of ``times``, the covariates and occasions carried forward
+        from the records) and dose; ``kappa``: the occasion effects ``{name: (K,)}`` of the
+        occasions of ``arrays`` (default 0)."""
         b = arrays.get("binding")
-        if b is None or not b.time_varying:
+        if b is None or not b.piecewise:
             return None
         tv_o = {c: arrays[f"tvo_{c}"] for c in b.time_varying}
         tv_d = {c: arrays[f"tvd_{c}"] for c in b.time_varying}
+        occ = {}
+        if b.occasions:
+            occ = {"occ_obs": arrays["occ_obs"], "occ_dose": arrays["occ_dose"]}
+            if kappa is None:
+                kappa = {n: jnp.zeros(b.occasions) for n in self.pk.iov}
         if times is not None:
-            tv_o = _carry_forward(arrays, tv_o, tv_d, np.asarray(times))
+            both = _carry_forward(arrays, {**tv_o, "@occ": occ.get("occ_obs", np.zeros(
+                np.shape(arrays["obs_time"]), np.int32))}, {**tv_d, "@occ": occ.get(
+                "occ_dose", np.zeros(np.shape(arrays["dose_time"]), np.int32))},
+                np.asarray(times))
+            if occ:
+                occ["occ_obs"] = both["@occ"]
+            tv_o = {c: both[c] for c in tv_o}
         th = {k: np.asarray(v) for k, v in self.params.items()}
         return self.pk.record_parameters(
             {k: jnp.asarray(v) for k, v in phi.items()},
             {k: jnp.asarray(v) for k, v in tv_o.items()},
-            {k: jnp.asarray(v) for k, v in tv_d.items()}, th, binding=b)
+            {k: jnp.asarray(v) for k, v in tv_d.items()}, th, binding=b,
+            kappa=None if not occ else {k: jnp.asarray(v) for k, v in kappa.items()},
+            **{k: jnp.asarray(v) for k, v in occ.items()})
 
     def _predict(self, indiv: dict, arrays: dict, times=None):
         """Predictions from natural-scale parameters ``indiv`` ``{name: (n,)}`` (see
         :meth:`_predict_phi`)."""
         b = arrays.get("binding")
-        if b is None or not b.time_varying:  # as given, no round trip through phi
+        if b is None or not b.piecewise:  # as given, no round trip through phi
             return np.asarray(self.pk.predict(
                 {k: jnp.asarray(v) for k, v in indiv.items()},
                 jnp.asarray(arrays["obs_time"] if times is None else times), _doses(arrays),
@@ -303,13 +344,14 @@ class NLMEFit:
         return self._predict_phi({k: inv[k](jnp.asarray(v)) for k, v in indiv.items()},
                                  arrays, times)
 
-    def _predict_phi(self, phi: dict, arrays: dict, times=None):
+    def _predict_phi(self, phi: dict, arrays: dict, times=None, kappa=None):
         """Predictions from transformed parameters ``phi`` ``{name: (n,)}`` at the
-        observations, or at ``times`` ``(n, G)`` (a grid: the observed compartment)."""
+        observations, or at ``times`` ``(n, G)`` (a grid: the observed compartment);
+        ``kappa``: occasion effects (:meth:`occasion_effects`; default 0)."""
         t = jnp.asarray(arrays["obs_time"] if times is None else times)
         nb = arrays["doses_before"] if times is None else None
         cmt = arrays.get("obs_cmt") if times is None else None  # a grid: the observed one
-        at = self._at_records(phi, arrays, times)
+        at = self._at_records(phi, arrays, times, kappa)
         indiv = self.pk.individual({k: jnp.asarray(v) for k, v in phi.items()})
         return np.asarray(self.pk.predict(indiv, t, _doses(arrays), nb,
                                           binding=arrays.get("binding"), obs_cmt=cmt,
@@ -324,13 +366,15 @@ class NLMEFit:
         rn = pk.random_names
         eta = jnp.stack([jnp.asarray(modes[n]) - typ[n] for n in rn], -1)  # (n, q)
         log_scale = pk.error.kind == "exponential"
+        kap = self.occasion_effects("mode") or None  # IOV: at the modes (not linearised)
 
         def h(e):
             phi = dict(typ)
             phi.update({n: typ[n] + e[:, k] for k, n in enumerate(rn)})
             f = pk.predict(pk.individual(phi), jnp.asarray(a["obs_time"]), _doses(a),
                            a["doses_before"], binding=a.get("binding"),
-                           obs_cmt=a.get("obs_cmt"), at_records=self._at_records(phi, a))
+                           obs_cmt=a.get("obs_cmt"),
+                           at_records=self._at_records(phi, a, kappa=kap))
             return jnp.log(f) if log_scale else f
 
         def lin(e):  # subject i's output depends on eta_i only: one jvp per random effect
@@ -371,7 +415,8 @@ class NLMEFit:
 
         a = self._arrays
         pred = self._predict_phi(self._phi("typical"), a)
-        ipred = self._predict_phi(self._phi("mode"), a)
+        ipred = self._predict_phi(self._phi("mode"), a,
+                                  kappa=self.occasion_effects("mode") or None)
         iwres = np.asarray(self.pk.error.residuals(jnp.asarray(a["dv"]), jnp.asarray(ipred),
                                                    self._error_params(),
                                                    cens=jnp.asarray(a["cens"])))
@@ -395,7 +440,10 @@ class NLMEFit:
 
         :param new_subjects: draw new random effects from :math:`N(0, \\hat\\Omega)`
             (default); ``False`` keeps the fitted subjects' EBEs (``data`` must then be the
-            fitted subjects).
+            fitted subjects). With inter-occasion variability, the occasion effects are drawn
+            from :math:`N(0, \\hat\\omega_{\\mathrm{IOV}}^2)` for every occasion of ``data``
+            (new occasions), except with ``new_subjects=False`` on the fitted data itself
+            (``data=None``), which keeps their conditional modes.
         :return: ``{"f": (R, n, T) structural predictions, "dv": (R, n, T) simulated
             observations (uncensored), "mask": (n, T)}``.
         """
@@ -421,16 +469,27 @@ class NLMEFit:
         t = jnp.asarray(arrays["obs_time"])
         doses = _doses(arrays)
         nb = jnp.asarray(arrays["doses_before"])
+        kap = {}
+        if pk.iov:  # occasion effects (R, K) per IOV parameter
+            K = arrays["binding"].occasions
+            if new_subjects or data is not None:
+                keys = random.split(random.fold_in(k_eta, 1), len(pk.iov))
+                kap = {m: float(self.params[f"omega_iov_{m}"]) * random.normal(kk, (R, K))
+                       for kk, m in zip(keys, pk.iov, strict=True)}
+            else:
+                kap = {m: jnp.broadcast_to(jnp.asarray(v), (R, K))
+                       for m, v in self.occasion_effects("mode").items()}
 
-        def one(e):
+        def one(e, kp):
             phi = dict(typ)
             for k, m in enumerate(names):
                 phi[m] = typ[m] + e[:, k]
             return pk.predict(pk.individual(phi), t, doses, nb, binding=arrays["binding"],
                               obs_cmt=arrays.get("obs_cmt"),
-                              at_records=self._at_records(phi, arrays))
+                              at_records=self._at_records(phi, arrays, kappa=kp or None))
 
-        f = jax.jit(jax.vmap(one))(jnp.asarray(eta, t.dtype))
+        f = jax.jit(jax.vmap(one))(jnp.asarray(eta, t.dtype),
+                                   {m: jnp.asarray(v, t.dtype) for m, v in kap.items()})
         y = pk.error.sample(k_eps, f, self._error_params())
         return {"f": np.asarray(f), "dv": np.asarray(y),
                 "mask": np.asarray(arrays["obs_mask"], bool)}
@@ -630,7 +689,8 @@ class NLMEFit:
         G = max(len(g) for g in grids)
         grid = np.stack([np.pad(g, (0, G - len(g)), mode="edge") for g in grids]).astype(dtype)
         sub = _subset_arrays(a, idx)
-        ipred = self._predict_phi(_take(self._phi("mode"), idx), sub, grid)
+        ipred = self._predict_phi(_take(self._phi("mode"), idx), sub, grid,
+                                  self.occasion_effects("mode") or None)
         pred = self._predict_phi(_take(self._phi("typical"), idx), sub, grid)
         nrows = -(-len(idx) // ncols)
         fig, ax = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 2.6 * nrows),

@@ -68,7 +68,7 @@ from numpyro_fed.nlme.superposition import (
 from numpyro_fed.nlme.transforms import TRANSFORMS
 from numpyro_fed.saem import SAEM
 
-__all__ = ["Binding", "Param", "PKModel", "TRANSFORMS", "COVARIATE_KINDS"]
+__all__ = ["Binding", "Param", "PKModel", "TRANSFORMS", "COVARIATE_KINDS", "occasion_indices"]
 
 #: transforms of individual parameters: name -> (forward, inverse) between the latent
 #: (Gaussian) scale and the natural scale
@@ -122,6 +122,8 @@ class Binding:
         :mod:`numpyro_fed.nlme.timevarying`).
     :ivar tv_infusions: with ``time_varying``: whether a dose is an infusion.
     :ivar tv_steady_state: with ``time_varying``: whether a dose is at steady state.
+    :ivar occasions: with inter-occasion variability (``PKModel(iov=...)``): the number of
+        occasions over all subjects (the size of the plate ``occasion``); 0 without.
     :ivar data: the dataset (not compared; for the messages naming its rows).
     """
 
@@ -133,7 +135,15 @@ class Binding:
     time_varying: tuple = ()
     tv_infusions: bool = False
     tv_steady_state: bool = False
+    occasions: int = 0
     data: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def piecewise(self) -> bool:
+        """Whether the parameters change from record to record (time-varying covariates or
+        occasions): the predictions then advance the amounts record by record
+        (:func:`~numpyro_fed.nlme.timevarying.predict_piecewise`)."""
+        return bool(self.time_varying) or self.occasions > 0
 
 
 def _py(v: Any) -> Any:
@@ -224,6 +234,91 @@ def _check_time_varying(pk: PKModel, data: PKDataset, tv: tuple) -> None:
             " drop TLAG, or use a time-constant summary of the covariate.")
 
 
+def _check_iov_structural(pk: PKModel) -> None:
+    """Refuse inter-occasion variability where the parameters cannot change between
+    occasions: a structural model other than the closed-form compartment models, or a lag
+    time (as for time-varying covariates)."""
+    from numpyro_fed.nlme.pk import CompartmentModel
+
+    names = list(pk.iov)
+    if not isinstance(pk.structural, CompartmentModel):
+        raise ValueError(
+            f"iov={names}: inter-occasion variability makes the parameters change from one "
+            "occasion to the next, which only the compartment models (nlme.compartment_model "
+            "and its one_/two_/three_compartment) take (advanced record by record, "
+            f"numpyro_fed.nlme.timevarying), not {pk.structural!r}. Use a compartment model, or "
+            "drop iov.")
+    if "TLAG" in pk.params:
+        raise ValueError(
+            f"iov={names}: inter-occasion variability is not supported with a lag time TLAG "
+            "(the lagged doses would interleave with the records of the occasions): drop TLAG "
+            "or iov.")
+
+
+def _occasion_values(data: PKDataset, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """The occasion column at every observation ``(n, T)`` and dose ``(n, D)`` record."""
+    if column in data.time_varying:
+        return (np.asarray(data.time_varying[column]),
+                np.asarray(data.dose_time_varying[column]))
+    if column in data.covariates:
+        v = np.asarray(data.covariates[column])
+        return (np.broadcast_to(v[:, None], data.obs.time.shape),
+                np.broadcast_to(v[:, None], data.doses.time.shape))
+    raise ValueError(
+        f"occasion={column!r}: no such column in the data (columns read as covariates: "
+        f"{sorted([*data.covariates, *data.time_varying])}). Read the occasion column with "
+        f"PKDataset.from_dataframe(..., covariates=[..., {column!r}]), or name the column that "
+        "numbers the occasions.")
+
+
+def occasion_indices(data: PKDataset, column: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """Occasions of every record, numbered over all subjects.
+
+    The occasions of a subject are the distinct values of ``column`` at its observation and
+    dose records (rows of ``EVID = 2`` are not records), numbered in increasing order of the
+    value, subject after subject: occasion ``k`` of the whole data set is one (subject,
+    value) pair. Padding records get their subject's first occasion (they are masked).
+
+    :param data: the dataset.
+    :param column: the column numbering the occasions (constant or time-varying within a
+        subject; any numeric codes).
+    :return: ``(occ_obs (n, T), occ_dose (n, D), number of occasions)``, int32 indices.
+    :raises ValueError: the column is not in the data or holds a non-finite value at a
+        record, or every subject has a single occasion (the inter-occasion variance cannot
+        be told from the between-subject one).
+    """
+    vo, vd = _occasion_values(data, column)
+    mo = np.asarray(data.obs.mask, bool)
+    md = np.asarray(data.doses.mask, bool)
+    for kind, v, m in (("obs", vo, mo), ("dose", vd, md)):
+        with np.errstate(invalid="ignore"):
+            bad = m & ~np.isfinite(np.asarray(v, np.float64))
+        if bad.any():
+            i, j = np.argwhere(bad)[0]
+            what = "observation" if kind == "obs" else "dose"
+            raise ValueError(
+                f"{what} of {data.locate(kind, i, j)}: occasion column {column!r} is "
+                f"{v[i, j]!r} ({int(bad.sum())} such record(s)); every dose and observation "
+                "record needs its occasion.")
+    n = vo.shape[0]
+    occ_o = np.zeros(vo.shape, np.int32)
+    occ_d = np.zeros(vd.shape, np.int32)
+    start, most = 0, 0
+    for i in range(n):
+        levels = np.unique(np.concatenate([vo[i][mo[i]], vd[i][md[i]]]))
+        occ_o[i] = start + np.where(mo[i], np.searchsorted(levels, vo[i]), 0)
+        occ_d[i] = start + np.where(md[i], np.searchsorted(levels, vd[i]), 0)
+        start += max(len(levels), 1)
+        most = max(most, len(levels))
+    if most < 2:
+        raise ValueError(
+            f"occasion={column!r} has one value per subject in these data (every subject has "
+            "a single occasion): the inter-occasion variability cannot be told from the "
+            "variability between subjects. Give a column that changes within subjects (e.g. "
+            "the dosing period), or drop iov.")
+    return occ_o, occ_d, start
+
+
 def _max_text(big: float) -> str:
     """``3.4e38`` for the largest float32."""
     return f"{big:.2g}".replace("e+", "e")
@@ -295,6 +390,45 @@ def _as_param(name: str, p) -> Param:
     return out
 
 
+def _as_iov(iov, occasion, params) -> dict[str, float]:
+    """Check ``PKModel(iov=..., occasion=...)``; return ``{name: initial sd}``."""
+    if iov is None:
+        if occasion is not None:
+            raise ValueError(
+                f"occasion={occasion!r} is given without iov: name the parameters that vary "
+                "between occasions, e.g. iov={'CL': 0.2}, or drop occasion.")
+        return {}
+    if isinstance(iov, Mapping):
+        out = dict(iov)
+    elif isinstance(iov, list | tuple):
+        out = dict.fromkeys(iov, 0.3)
+    else:
+        raise TypeError(f"iov must be a dict {{name: initial sd}} or a list of names, got "
+                        f"{type(iov).__name__}.")
+    if not out:
+        raise ValueError("iov is empty: name at least one parameter, e.g. iov={'CL': 0.2}, "
+                         "or leave iov out.")
+    if not isinstance(occasion, str) or not occasion:
+        raise ValueError(
+            f"iov={list(out)} needs occasion=, the name of the data column numbering the "
+            f"occasions (e.g. occasion='OCC'); got occasion={occasion!r}.")
+    for nm, sd in out.items():
+        if nm not in params:
+            raise ValueError(f"iov names {nm!r}, which is not a parameter of the model "
+                             f"(params: {list(params)}).")
+        if not params[nm].random:
+            raise ValueError(
+                f"iov names {nm!r}, which has no random effect between subjects "
+                f"(Param(random=False)): inter-occasion variability is nested in the "
+                f"subject's random effect; set params[{nm!r}].random=True.")
+        if isinstance(sd, bool) or not isinstance(sd, int | float | np.floating | np.integer) \
+                or not (math.isfinite(float(sd)) and float(sd) > 0):
+            raise ValueError(f"iov[{nm!r}]={sd!r}: the initial standard deviation of the "
+                             "inter-occasion effect must be a finite number > 0.")
+        out[nm] = float(sd)
+    return {nm: out[nm] for nm in params if nm in out}  # in the order of params
+
+
 class PKModel:
     """A population model built from a structural model, parameters and an error model.
 
@@ -310,6 +444,16 @@ class PKModel:
     :param omega: ``"diag"`` (independent random effects) or ``"full"`` (a full covariance).
     :param references: reference values of continuous covariates (default: the medians of
         the data at hand, see :meth:`bind`).
+    :param iov: inter-occasion variability: ``{name: initial standard deviation}`` (or a
+        list of names, 0.3 each) of the parameters that vary between the occasions of a
+        subject, :math:`\\log P_{ik} = \\mu + \\beta x_i + \\eta_i + \\kappa_{ik}`,
+        :math:`\\kappa_{ik} \\sim N(0, \\omega_{\\mathrm{IOV}}^2)` independent of
+        :math:`\\eta` (latent site ``kappa_P`` in the plate ``occasion``, its standard
+        deviation the param ``omega_iov_P``). Each needs a random effect between subjects
+        (``Param(random=True)``) and a compartment model without ``TLAG``.
+    :param occasion: with ``iov``: the column of the data numbering the occasions (see
+        :func:`occasion_indices`); a parameter changes value at the first record of a new
+        occasion, and the amounts then present are carried over (NONMEM's convention).
 
     The model does not change when it meets data: :meth:`arrays` and :meth:`fit` compute
     what they take from a dataset (covariate references and levels, the structural model
@@ -329,7 +473,9 @@ class PKModel:
 
     def __init__(self, structural: Callable, params: Mapping[str, Any],
                  error: ErrorModel | str = "additive", *, omega: str = "diag",
-                 references: Mapping[str, float] | None = None) -> None:
+                 references: Mapping[str, float] | None = None,
+                 iov: Mapping[str, float] | list | tuple | None = None,
+                 occasion: str | None = None) -> None:
         if not callable(structural):
             raise TypeError("structural must be a structural model function (e.g. "
                             "nlme.one_compartment()).")
@@ -363,6 +509,12 @@ class PKModel:
                              "one Param (SAEM estimates mixed-effects models).")
         if omega == "full" and len(self.random_names) < 2:
             raise ValueError("omega='full' needs at least two parameters with random effects.")
+        #: inter-occasion variability: name -> initial standard deviation (read-only)
+        self.iov = MappingProxyType(_as_iov(iov, occasion, self.params))
+        #: the column numbering the occasions (None without iov)
+        self.occasion = occasion if self.iov else None
+        if self.iov:
+            _check_iov_structural(self)
         for c, v in dict(references or {}).items():
             if isinstance(v, bool) or not isinstance(v, int | float | np.floating | np.integer) \
                     or not math.isfinite(float(v)):
@@ -512,12 +664,14 @@ class PKModel:
                               -1)
         predose = bool(np.any(o.mask & (np.asarray(data.doses_before) < at_or_before)))
         rm = np.asarray(d.mask, bool)
+        n_occ = occasion_indices(data, self.occasion)[2] if self.iov else 0
+        pw = bool(tv) or n_occ > 0
         return Binding(references=tuple(sorted(refs.items())),
                        levels=tuple(sorted(levels.items())), structural=structural,
                        record_order=predose, obs_cmt=obs_cmt, time_varying=tv,
-                       tv_infusions=bool(tv) and bool(np.any(rm & (np.asarray(d.rate) > 0))),
-                       tv_steady_state=bool(tv) and bool(np.any(rm & np.asarray(d.ss, bool))),
-                       data=data)
+                       tv_infusions=pw and bool(np.any(rm & (np.asarray(d.rate) > 0))),
+                       tv_steady_state=pw and bool(np.any(rm & np.asarray(d.ss, bool))),
+                       occasions=n_occ, data=data)
 
     def arrays(self, data: PKDataset) -> dict[str, Any]:
         """The keyword arguments of :meth:`model` for ``data``: padded subject arrays, and
@@ -558,6 +712,8 @@ class PKModel:
                 out[f"tvd_{c}"] = np.asarray(data.dose_time_varying[c])
             else:
                 out[f"cov_{c}"] = np.asarray(data.covariates[c])
+        if b.occasions:
+            out["occ_obs"], out["occ_dose"], _ = occasion_indices(data, self.occasion)
         out["binding"] = b
         return out
 
@@ -628,19 +784,29 @@ class PKModel:
         return out
 
     def record_parameters(self, phi: dict, tv_obs: dict, tv_dose: dict,
-                          theta: dict | None = None, *, binding: Binding | None = None):
+                          theta: dict | None = None, *, binding: Binding | None = None,
+                          kappa: dict | None = None, occ_obs=None, occ_dose=None):
         """Natural-scale parameters in force at every observation and dose record:
         ``phi`` ``{name: (n,)}`` (transformed, time-varying covariates at their reference)
         plus :meth:`time_varying_offset`; ``tv_obs`` / ``tv_dose``: the time-varying
-        covariates at the observations ``(n, T)`` and doses ``(n, D)``.
+        covariates at the observations ``(n, T)`` and doses ``(n, D)``. With
+        inter-occasion variability, ``kappa`` ``{name: (K,)}`` (the occasion effects) and
+        ``occ_obs`` ``(n, T)`` / ``occ_dose`` ``(n, D)`` (the occasion of each record,
+        ``arrays(data)``) add :math:`\\kappa` of the record's occasion.
 
-        :return: ``({name: (n, T)}, {name: (n, D)})``.
+        :return: ``({name: (n, T)}, {name: (n, D)})`` (a dimension of 1 where a parameter
+            is the same at every record).
         """
         po, pd_ = {}, {}
+        kappa = kappa or {}
         for nm, v in phi.items():
             v = jnp.asarray(v)[:, None]
             po[nm] = v + self.time_varying_offset(nm, tv_obs, theta, binding=binding)
             pd_[nm] = v + self.time_varying_offset(nm, tv_dose, theta, binding=binding)
+            if nm in kappa:
+                k = jnp.asarray(kappa[nm])
+                po[nm] = po[nm] + k[jnp.asarray(occ_obs)]
+                pd_[nm] = pd_[nm] + k[jnp.asarray(occ_dose)]
         return self.individual(po), self.individual(pd_)
 
     def individual(self, phi: dict):
@@ -660,9 +826,10 @@ class PKModel:
         has it when an observation names a compartment other than the observed one): each
         observation is predicted in the compartment it names (0: the observed one).
 
-        With time-varying covariates (``binding.time_varying``), ``at_records`` (from
-        :meth:`record_parameters`) gives the parameters in force at each observation and
-        dose, and ``indiv`` is not used: the amounts are advanced from record to record
+        With time-varying covariates (``binding.time_varying``) or occasions
+        (``binding.occasions``), ``at_records`` (from :meth:`record_parameters`) gives the
+        parameters in force at each observation and dose, and ``indiv`` is not used: the
+        amounts are advanced from record to record
         (:func:`~numpyro_fed.nlme.timevarying.predict_piecewise`).
 
         A structural model linear in its doses (``superposition``, the closed forms) is
@@ -671,14 +838,16 @@ class PKModel:
         computed here when the times and doses are concrete arrays (then the padding samples
         of the data of ``binding``, if these are its times, are predicted 0)."""
         b = self._default_binding(doses_before) if binding is None else binding
-        if b.time_varying:
+        if b.piecewise:
             from numpyro_fed.nlme.timevarying import predict_piecewise
 
             if at_records is None:
+                why = (f"the covariates {list(b.time_varying)} vary with time" if
+                       b.time_varying else f"the parameters {list(self.iov)} vary between "
+                       "occasions")
                 raise ValueError(
-                    f"the covariates {list(b.time_varying)} vary with time: pass at_records="
-                    "pk.record_parameters(phi, tv_obs, tv_dose) (the parameters in force at "
-                    "each record).")
+                    f"{why}: pass at_records=pk.record_parameters(phi, tv_obs, tv_dose, ...) "
+                    "(the parameters in force at each record).")
             po, pd_ = at_records
             nb = () if doses_before is None else (jnp.asarray(doses_before),)
             cm = () if obs_cmt is None else (jnp.asarray(obs_cmt),)
@@ -730,7 +899,8 @@ class PKModel:
     # ------------------------------------------------------------------ model
     def model(self, obs_time, dv=None, obs_mask=None, cens=None, lloq=None, *, dose_time,
               dose_amt, dose_rate, dose_cmt, dose_ss, dose_ii, dose_mask, doses_before=None,
-              obs_cmt=None, pairs=None, binding: Binding | None = None, **covs):
+              obs_cmt=None, pairs=None, occ_obs=None, occ_dose=None,
+              binding: Binding | None = None, **covs):
         """The NumPyro model (keyword arguments: :meth:`arrays`, ``binding`` included);
         ``dv=None`` simulates."""
         n, T = obs_time.shape
@@ -738,6 +908,11 @@ class PKModel:
             raise ValueError("the data have no subject: a population model needs at least "
                              "one (obs_time has shape (0, ...)).")
         b = self._default_binding(doses_before) if binding is None else binding
+        if self.iov and (not b.occasions or occ_obs is None or occ_dose is None):
+            raise ValueError(
+                f"iov={list(self.iov)}: the model needs the occasions of its data: call it "
+                "with pk.model(**pk.arrays(data)) (occ_obs, occ_dose and a binding with the "
+                "number of occasions).")
         tv_o = {k[4:]: v for k, v in covs.items() if k.startswith("tvo_")}
         tv_d = {k[4:]: v for k, v in covs.items() if k.startswith("tvd_")}
         covs = {k[4:]: v for k, v in covs.items() if k.startswith("cov_")}
@@ -745,7 +920,15 @@ class PKModel:
         if obs_mask is None:
             obs_mask = jnp.ones((n, T), bool)
         errp = self.error.params()
-        phi = {}
+        phi, kappa = {}, {}
+        if self.iov:
+            # occasions nested in subjects: kappa_P[k] of occasion k (one plate over all the
+            # (subject, occasion) pairs, outside the subject plate)
+            with numpyro.plate("occasion", b.occasions, dim=-1):
+                for nm, sd in self.iov.items():
+                    g = numpyro.param(f"omega_iov_{nm}", jnp.asarray(sd, jnp.float32),
+                                      constraint=constraints.positive)
+                    kappa[nm] = numpyro.sample(f"kappa_{nm}", dist.Normal(0.0, g))
         with numpyro.plate("subject", n, dim=-1):
             locs = {nm: jnp.broadcast_to(self.typical(nm, covs, binding=b), (n,))
                     for nm in self.names}
@@ -767,8 +950,9 @@ class PKModel:
             for nm in self.names:
                 if nm not in phi:
                     phi[nm] = locs[nm]
-            at = (self.record_parameters(phi, tv_o, tv_d, binding=b) if b.time_varying
-                  else None)
+            at = (self.record_parameters(phi, tv_o, tv_d, binding=b, kappa=kappa,
+                                         occ_obs=occ_obs, occ_dose=occ_dose)
+                  if b.piecewise else None)
             f = self.predict(self.individual(phi), obs_time, doses, doses_before, binding=b,
                              obs_cmt=obs_cmt, at_records=at, pairs=pairs)
             try:

@@ -27,7 +27,11 @@ observation is predicted from the amounts after its record, as the concentration
 first-order absorption). Amounts, not concentrations, are continuous across a change of
 ``V``.
 
-The amounts are exact up to the matrix exponential's round-off (``jax.scipy.linalg.expm``,
+One compartment (with or without a depot): the exponential of :math:`M t` in closed form
+(:func:`exp_rate_matrix`: :math:`e^{-k t}`, :math:`e^{-k_a t}` and the Bateman term written
+without cancellation), far cheaper to compile and differentiate than a general matrix
+exponential. Otherwise the amounts are exact up to the matrix exponential's round-off
+(``jax.scipy.linalg.expm``,
 Padé with scaling and squaring; differentiable to every order); with constant parameters
 the result equals the closed forms (``tests/test_nlme_diagnostics_multidose.py``: 1e-10
 relative in float64), and with piecewise-constant ones an ODE solution (``diffrax``) integrated
@@ -46,7 +50,37 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import expm
 
-__all__ = ["merge_records", "predict_piecewise", "rate_matrix"]
+__all__ = ["exp_rate_matrix", "merge_records", "predict_piecewise", "rate_matrix"]
+
+
+def _bateman(k: jax.Array, ka: jax.Array, t: jax.Array) -> jax.Array:
+    """``(e^{-k t} - e^{-ka t}) / (ka - k)`` as ``t e^{-lo t} phi(z)``, ``z = (hi - lo) t``,
+    ``phi(z) = (1 - e^{-z}) / z`` (its series below 1e-3): no cancellation, no overflow, and
+    exact derivatives of every order at ``ka = k`` (the branch there is the one analytic in
+    ``ka - k``, not a min / max)."""
+    d = ka - k
+    up = d >= 0
+    lo = jnp.where(up, k, ka)
+    z = jnp.where(up, d, -d) * t
+    small = z < 1e-3
+    zs = jnp.where(small, 1.0, z)
+    phi = jnp.where(small, 1.0 - z / 2 + z * z / 6 - z * z * z / 24, -jnp.expm1(-zs) / zs)
+    return t * jnp.exp(-lo * t) * phi
+
+
+def exp_rate_matrix(M: jax.Array, t: jax.Array, n_compartments: int,
+                    absorption: bool) -> jax.Array:
+    """:math:`e^{M t}` for a rate matrix of :func:`rate_matrix` (``(S, S)``, scalar
+    ``t >= 0``): in closed form for one compartment (``k = -M_cc``, ``k_a = -M_00``),
+    ``jax.scipy.linalg.expm`` otherwise."""
+    if n_compartments != 1:
+        return expm(M * t)
+    if not absorption:
+        return jnp.exp(M * t)
+    ka, k = -M[0, 0], -M[1, 1]
+    zero = jnp.zeros((), M.dtype)
+    return jnp.stack([jnp.stack([jnp.exp(-ka * t), zero]),
+                      jnp.stack([ka * _bateman(k, ka, t), jnp.exp(-k * t)])])
 
 
 def rate_matrix(p: dict[str, jax.Array], n_compartments: int, absorption: bool) -> jax.Array:
@@ -141,7 +175,10 @@ def predict_piecewise(model: Any, p_obs: dict, p_dose: dict, t: jax.Array, doses
     M = jax.vmap(lambda q: rate_matrix(q, n_c, absorb))(p_ev)  # (E, S, S)
     M_prev = jnp.concatenate([M[:1], M[:-1]])
     dt = jnp.diff(ev_t, prepend=ev_t[:1])
-    Phi = jax.vmap(expm)(M_prev * dt[:, None, None])  # (E, S, S)
+    def em(Mk, tk):  # e^{M t} (closed form for one compartment)
+        return exp_rate_matrix(Mk, tk, n_c, absorb)
+
+    Phi = jax.vmap(em)(M_prev, dt)  # (E, S, S)
 
     # ---- per dose (D,): amount, rate, duration, target compartment, steady state
     dcmt = jnp.asarray(doses.cmt, jnp.int32)
@@ -170,12 +207,12 @@ def predict_piecewise(model: Any, p_obs: dict, p_dose: dict, t: jax.Array, doses
 
     eye = jnp.eye(S, dtype=dtype)
     if steady_state:
-        Phi_ii = jax.vmap(expm)(M_d * ii[:, None, None])
+        Phi_ii = jax.vmap(em)(M_d, ii)
         b_ss = bolus
         if infusions:
             r_vec = rate[:, None] * tgt
             one = jax.vmap(aug)(M_d, r_vec, tau)  # amounts at the end of one infusion
-            rest = jax.vmap(expm)(M_d * jnp.maximum(ii - tau, 0.0)[:, None, None])
+            rest = jax.vmap(em)(M_d, jnp.maximum(ii - tau, 0.0))
             b_ss = jnp.where(inf[:, None], jnp.einsum("dij,dj->di", rest, one), bolus)
         x_ss = jnp.linalg.solve(eye - Phi_ii, b_ss[..., None])[..., 0]  # (D, S)
         # a steady-state infusion: the amounts before the current one, which then runs
@@ -197,7 +234,7 @@ def predict_piecewise(model: Any, p_obs: dict, p_dose: dict, t: jax.Array, doses
 
         def contrib(Mk, tk, u0k, u1k, onk):
             J = jax.vmap(lambda r, ln: aug(Mk, r, ln))(r_vec, jnp.where(onk, u1k - u0k, 0.0))
-            P = jax.vmap(lambda s: expm(Mk * s))(jnp.where(onk, tk - u1k, 0.0))
+            P = jax.vmap(lambda s: em(Mk, s))(jnp.where(onk, tk - u1k, 0.0))
             return jnp.sum(jnp.where(onk[:, None], jnp.einsum("dij,dj->di", P, J), 0.0), 0)
 
         inf_ev = jax.vmap(contrib)(M_prev, ev_t, u0, u1, on)
