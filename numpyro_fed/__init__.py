@@ -9,7 +9,12 @@ from numpyro_fed.bits import BitCounter, counter_value
 from numpyro_fed.cached_mcmc import CachedMCMC
 from numpyro_fed.compilation import enable_compilation_cache
 from numpyro_fed.distributed import shard_kernel, shard_partition
-from numpyro_fed.errors import ConvergenceWarning, DivergenceError, SingularFitWarning
+from numpyro_fed.errors import (
+    ConvergenceWarning,
+    DivergenceError,
+    LikelihoodWarning,
+    SingularFitWarning,
+)
 from numpyro_fed.infdata import communication_summary, to_inference_data
 from numpyro_fed.kernels import (
     BELF,
@@ -57,6 +62,7 @@ __all__ = [
     "ClientPartition",
     "ConvergenceWarning",
     "SingularFitWarning",
+    "LikelihoodWarning",
     "DivergenceError",
     "FedState",
     "FederatedKernel",

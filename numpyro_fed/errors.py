@@ -11,6 +11,8 @@ layer may use it.
 * :class:`DivergenceError` -- a chain left the finite numbers (kernels, SAEM, deployments).
 * :class:`ConvergenceWarning` -- an SAEM fit shows signs of not having converged; its
   subclass :class:`SingularFitWarning` -- a variance ends at the boundary 0 of its support.
+* :class:`LikelihoodWarning` -- an importance-sampling -2LL whose weights are too
+  heavy-tailed for its reported Monte Carlo error to be trusted.
 * :class:`DeploymentError` -- a Flower deployment cannot go on (its subclasses
   :class:`ClientMismatchError`, :class:`ParticipationError`); :class:`WireFormatError` -- a
   malformed message on the wire (also exported by :mod:`numpyro_fed.flower`).
@@ -26,6 +28,7 @@ __all__ = [
     "DivergenceError",
     "ConvergenceWarning",
     "SingularFitWarning",
+    "LikelihoodWarning",
     "DeploymentError",
     "ClientMismatchError",
     "ParticipationError",
@@ -57,6 +60,13 @@ class SingularFitWarning(ConvergenceWarning):
     its maximum-likelihood value (lme4's "boundary (singular) fit"). The estimates are the
     maximum on the boundary; standard errors there are not regular (see
     :attr:`SAEMResult.singular <numpyro_fed.saem.SAEMResult.singular>`)."""
+
+
+class LikelihoodWarning(UserWarning):
+    """The importance-sampling -2LL and its Monte Carlo SE cannot be trusted as reported:
+    the importance weights of some subject (connected group) are too heavy-tailed (Pareto
+    :math:`\\hat k` above :data:`numpyro_fed.saem.likelihood.PARETO_K_WARN`) even after
+    :data:`~numpyro_fed.saem.likelihood.MAX_ROUNDS` rounds of draws."""
 
 
 # ====================================================================== deployments

@@ -41,6 +41,7 @@ import numpy as np
 from jax import lax, random
 
 from numpyro_fed.algorithms.langevin import langevin_move, mala_log_ratio, mala_sq_residuals
+from numpyro_fed.errors import LikelihoodWarning
 from numpyro_fed.saem.model import (
     ModelInfo,
     SubjectLayout,
@@ -104,13 +105,6 @@ def conditional_moments(layout: SubjectLayout, zs):
     dev = b - mu
     cov = jnp.einsum("sni,snj->nij", dev, dev) / max(b.shape[0] - 1, 1)
     return mu, cov
-
-
-class LikelihoodWarning(UserWarning):
-    """The importance-sampling -2LL and its Monte Carlo SE cannot be trusted as reported:
-    the importance weights of some subject (connected group) are too heavy-tailed (Pareto
-    :math:`\\hat k` above :data:`PARETO_K_WARN`) even after :data:`MAX_ROUNDS` rounds of
-    draws."""
 
 
 #: a group whose weights have a Pareto :math:`\\hat k` above this (their variance is infinite
