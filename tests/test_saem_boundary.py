@@ -59,15 +59,17 @@ def _nn_exact_max(y):
 def test_normal_normal_at_its_boundary_finishes_singular(seed):
     """30 subjects, var(y) < 1 so the MLE of omega is 0. Seeds 0 and 7 crashed ("the M-step
     became non-finite" at iteration 274 / 253: the closed-form variance fell to 1e-15 and the
-    interweaving cycle's float32 score overflowed). Now the fit finishes, omega is held at the
-    floor (<= 1e-3 of its start 1), the fit is reported singular (not 'still drifting'), and
-    -2LL is within 0.5 of the exact maximum (measured: within 1e-6)."""
+    interweaving cycle's float32 score overflowed). Now the fit finishes, omega ends near the
+    floor (held there, or kicked about near it by the E-step's Monte Carlo noise: the last
+    value was 1e-5 on one CPU, 1.1e-3 on another for seed 7, the XLA code differing by CPU;
+    < 1e-2 of its start 1 here), the fit is reported singular (not 'still drifting'), and
+    -2LL is within 0.5 of the exact maximum (measured: within 1e-5)."""
     y = np.random.default_rng(seed).normal(0, 1, 30).astype(np.float32)
     res, sing, other = _fit(normal_normal, seed, y=y)
     m2ll_max, om_hat = _nn_exact_max(y)
     assert om_hat == 0.0
     assert res.singular and res.singular_params == ["omega"]
-    assert float(res.params["omega"]) < 1e-3
+    assert float(res.params["omega"]) < 1e-2
     assert len(sing) == 1 and sing[0].startswith("SAEM: boundary (singular) fit: 'omega'"), sing
     assert not any("drift" in m for m in other), other
     gap = _nn_m2ll(y, float(res.params["mu"]), float(res.params["omega"])) - m2ll_max
@@ -201,3 +203,31 @@ def test_imprecise_louis_standard_errors_warn():
     ratios, msgs = _se_ratio("orthodont", method="louis")
     hit = [m for m in msgs if "Louis standard errors" in m]
     assert hit and "'omega[1]'" in hit[0] and "num_draws=" in hit[0], msgs
+
+
+def test_singular_coords_floor_band():
+    """:func:`singular_coords` on trajectories of a positive scale (start 1, 500 rows):
+    held at the floor -> singular; fell to the floor and then kicked about between 1e-5 and
+    2e-3 by the E-step's noise (what seed 0 of the normal-normal model gives on some CPUs;
+    before FLOOR_BAND it was not reported singular) -> singular; converging to a small
+    positive value 5e-3 with 2% noise, or from 100 to 0.5 -> not singular."""
+    from types import SimpleNamespace
+
+    from numpyro.distributions import constraints
+
+    from numpyro_fed.saem.result import singular_coords
+
+    info = SimpleNamespace(param_names=["omega"], param_constraints={"omega": constraints.positive},
+                           param_offsets=np.array([0, 1]), theta_coord_names=["omega"],
+                           theta0_c={"omega": np.ones(())})
+    rng = np.random.default_rng(0)
+    k = np.arange(500)
+    fall = np.exp(-k / 20.0)
+    held = np.maximum(fall, 1e-5)
+    kicked = np.where(k < 250, held, 10 ** rng.uniform(-5, np.log10(2e-3), 500))
+    small = 5e-3 + (fall * (1 - 5e-3)) + 1e-4 * rng.normal(size=500)
+    big = 0.5 + 99.5 * fall + 0.01 * rng.normal(size=500)
+    assert singular_coords(info, held[:, None], np.ones(1)) == [0]
+    assert singular_coords(info, kicked[:, None], np.ones(1)) == [0]
+    assert singular_coords(info, small[:, None], np.ones(1)) == []
+    assert singular_coords(info, big[:, None], np.array([100.0])) == []
