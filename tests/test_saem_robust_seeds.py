@@ -265,8 +265,10 @@ def test_all_zero_response_with_known_noise_over_seeds():
 @pytest.mark.slow  # 3 PK fits that stop early, ~1-2 min
 def test_all_zero_pk_table_is_a_clear_error_over_seeds():
     """Theophylline with every DV = 0 under the PKModel defaults: V -> infinity fits the
-    zeros ever better (no maximum, on the boundary or inside). Every seed raises the
-    DivergenceError that names the parameter that ran off and the degenerate data."""
+    zeros ever better (no maximum, on the boundary or inside), and so does KA -> 0 (no drug
+    absorbed). Every seed raises the DivergenceError that names the parameters that ran off
+    (the two furthest: mu_V, or mu_KA and mu_CL -- measured on seed 0 at e39df5e, mu_KA to
+    -15.1 and mu_CL to 17.5) and the degenerate data."""
     from numpyro_fed import nlme
 
     frame = nlme.load_theophylline().to_dataframe()
@@ -276,6 +278,7 @@ def test_all_zero_pk_table_is_a_clear_error_over_seeds():
                       params={"KA": 1.0, "V": 20.0, "CL": 0.5})
     for seed in range(3):
         with pytest.raises(DivergenceError, match=(
-                r"'mu_V' ran from 2\.996 \(theta_0\) to .* the data do not determine "
+                r"'mu_(V|KA|CL)' ran from -?\d+\.?\d* \(theta_0\) to .* the data do not "
+                r"determine "
                 r"(it|them) \(a degenerate data set")):
             pk.fit(data, random.key(seed))
