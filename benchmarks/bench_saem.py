@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> str:
     loop = dict(progress_bar=True, num_chunks=total)
     _timed_run(saem, random.key(2), args, **loop)  # compiles the one-iteration chunk
     _, t_loop = _timed_run(saem, random.key(3), args, **loop)
-    st = saem.structure
+    st = saem.program
     row = {"iterations": a.iters, "mstep": res.mstep, "first_run_s": t_first,
             "compile_s": t_compile, "cached_run_s": t_run, "python_loop_run_s": t_loop,
             "ratio_loop_over_compiled": t_loop / t_run}

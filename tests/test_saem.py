@@ -225,7 +225,7 @@ def test_theophylline_matches_exact_and_msteps_agree(theo, slow):
 
 # ----------------------------------------------------------------------------- E-step blocks
 def _langevin_estep(model, y, key, *, joint=False, **kw):
-    """The built-in E-step that SAEM builds for ``model`` (``SAEM.structure.estep``; here
+    """The built-in E-step that SAEM builds for ``model`` (``SAEM.program.estep``; here
     from its parts, without compiling a whole SAEM program): the model's
     :class:`~numpyro_fed.saem.model.ModelInfo`, its subject layout (or one joint block, as
     with ``mh_blocks='joint'``) and a :class:`~numpyro_fed.saem.estep.LangevinEStep`."""

@@ -73,7 +73,7 @@ def test_discrete_latent_site(model, name):
             rf"latent site 'k' has a discrete distribution \({name}\).*do not enumerate"
             r".*Marginalise 'k' out of the model.*or make it observed")):
         saem.run(random.key(0), Y5)
-    assert saem.structure is None  # raised while tracing the model, before any compilation
+    assert saem.program is None  # raised while tracing the model, before any compilation
 
 
 # ----------------------------------------------------------------------------- 2. NaN data
@@ -97,7 +97,7 @@ def test_nan_in_observed_data():
             r".*Drop \(or impute\) those rows, or mask them")) as err:
         saem.run(random.key(0), y)
     assert "step_size" not in str(err.value)
-    assert saem.structure is None
+    assert saem.program is None
     # long format
     y = np.linspace(-1.0, 1.0, 10).astype(np.float32)
     y[[3, 7]] = np.nan
@@ -119,7 +119,7 @@ def test_nan_in_covariate():
             r"indices\) for NaN or inf: drop \(or impute\) those rows")) as err:
         saem.run(random.key(0), y, subj=np.arange(10) % 5, x=x)
     assert "step_size" not in str(err.value)
-    assert saem.structure is None
+    assert saem.program is None
 
 
 # ----------------------------------------------------------------------------- 3. init_params
@@ -129,7 +129,7 @@ def test_init_params_errors():
             r"init_params\['omega'\] = -1\.0 lies outside the support of the param site "
             r"\(Positive\(lower_bound=0\.0\)\); give a value inside it")):
         saem.run(random.key(0), Y5, init_params={"omega": -1.0})
-    assert saem.structure is None  # checked before anything is compiled
+    assert saem.program is None  # checked before anything is compiled
     with pytest.raises(ValueError, match=r"init_params\['omega'\] = nan lies outside"):
         saem.run(random.key(0), Y5, init_params={"omega": float("nan")})
     with pytest.raises(ValueError, match=(
@@ -139,7 +139,7 @@ def test_init_params_errors():
     with pytest.raises(ValueError, match=(
             r"init_params\['mu'\] has shape \(2,\), but the param site has shape \(\)")):
         saem.run(random.key(0), Y5, init_params={"mu": [0.0, 1.0]})
-    assert saem.structure is None
+    assert saem.program is None
 
 
 # ----------------------------------------------------------------------------- 4. plates

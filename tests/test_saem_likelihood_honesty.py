@@ -253,7 +253,7 @@ def test_explicit_annealing_schedule_with_a_cholesky_omega():
     init = {"beta": np.array([200.0, 7.0]), "L": 100.0 * np.eye(2), "sigma": 100.0}
     saem, res = _fit(case.model, init_params=init, saem_kw={"schedule": schedule},
                      **case.data)
-    assert saem.structure.mstep.spec.mvn_sites[0][1] == "cholesky"
+    assert saem.program.mstep.spec.mvn_sites[0][1] == "cholesky"
     _check_sleepstudy_annealing(case, res, schedule, init)
 
 
@@ -344,7 +344,7 @@ def test_annealing_with_covariance_and_scale_corr_omega():
     data = _simulated_lmm()
     saem, res = _fit(two_rules_model, **data)
     assert res.mstep == "gaussian"
-    rules = {site: rule for site, rule, _ in saem.structure.mstep.spec.mvn_sites}
+    rules = {site: rule for site, rule, _ in saem.program.mstep.spec.mvn_sites}
     assert rules == {"b": "covariance", "c": "scale_corr"}
     traj = res.trajectory
     V = np.column_stack([traj["Sigma[0,0]"], traj["Sigma[1,1]"], traj["omega[0]"] ** 2,

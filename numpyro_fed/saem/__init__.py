@@ -11,13 +11,16 @@ Modules (each importing only those above it):
 
 - :mod:`~numpyro_fed.saem.schedule` -- step sizes and phases (:class:`Schedule`);
 - :mod:`~numpyro_fed.saem.model` -- model introspection, data checks, the subject layout;
+- :mod:`~numpyro_fed.saem.protocols` -- the declared E-step and M-step
+  protocols (what the fit loop calls);
 - :mod:`~numpyro_fed.saem.estep` -- E-steps (adaptive per-subject MALA/ULA with prior
   proposals; any NumPyro kernel);
 - :mod:`~numpyro_fed.saem.mstep` -- M-steps (closed-form Gaussian with full or diagonal
   covariances, SA-Newton, user sufficient statistics);
 - :mod:`~numpyro_fed.saem.likelihood` -- importance sampling, Gauss--Hermite, Laplace, AIS;
 - :mod:`~numpyro_fed.saem.result` -- :class:`SAEMResult`;
-- :mod:`~numpyro_fed.saem.fit` -- :class:`SAEM` and the pure fit loop.
+- :mod:`~numpyro_fed.saem.fit` -- :class:`SAEM`, its frozen program description and the
+  pure fit loop.
 """
 
 from numpyro_fed.errors import ConvergenceWarning, SingularFitWarning

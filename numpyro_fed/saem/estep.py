@@ -16,7 +16,12 @@ variances. After the exploration phase both are frozen (the average of :math:`\\
 the adaptation is kept), so the kernel is fixed while the statistics are averaged.
 
 :class:`NumPyroEStep` runs any NumPyro :class:`~numpyro.infer.mcmc.MCMCKernel` (NUTS, our
-federated kernels), re-bound to each new :math:`\\theta` with ``refresh``.
+federated kernels), re-bound to each new :math:`\\theta` with ``refresh`` (state
+:class:`NumPyroEStepState`).
+
+Both implement the :class:`~numpyro_fed.saem.protocols.EStep` protocol, the only members
+the fit loop calls. Duck typing is left only where the object is the user's NumPyro kernel
+or its state (which fields a kernel's state has is the kernel's own business).
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ from numpyro_fed.saem.model import (
     pad_mask,
     to_blocks,
 )
+from numpyro_fed.saem.protocols import EStep
 
-__all__ = ["LangevinEStep", "LangevinEStepState", "NumPyroEStep", "flat_preconditioner"]
+__all__ = ["LangevinEStep", "LangevinEStepState", "NumPyroEStep", "NumPyroEStepState",
+           "flat_preconditioner"]
 
 #: largest number of latent coordinates per subject with a full (not diagonal) preconditioner
 FULL_PRECONDITIONER_MAX = 16
@@ -96,7 +103,7 @@ def flat_preconditioner(info: ModelInfo, precond: Callable | None):
     return P
 
 
-class LangevinEStep:
+class LangevinEStep(EStep):
     """Built-in E-step: prior proposals + per-subject preconditioned MALA (or ULA).
 
     :param info: the model.
@@ -384,6 +391,10 @@ class LangevinEStep:
 
         return lax.fori_loop(0, self.n_prior, body, z)
 
+    def latents(self, state: LangevinEStepState) -> jax.Array:
+        """The chains' latents ``(C, d_z)``."""
+        return state.z
+
     def move(self, state: LangevinEStepState, fn: Callable) -> LangevinEStepState:
         """Move every chain and the tracked modes by ``fn`` (flat ``(d_z,) -> (d_z,)``, an
         affine map per coordinate: SAEM's centring shift :math:`z - M\\Delta\\theta`, see
@@ -407,7 +418,18 @@ def _energy_finite(kstate) -> jax.Array:
     return jnp.asarray(True)
 
 
-class NumPyroEStep:
+class NumPyroEStepState(NamedTuple):
+    """State of :class:`NumPyroEStep`.
+
+    - **z** -- latents of every chain, flat unconstrained ``(C, d_z)``.
+    - **kernel_state** -- the NumPyro kernel's own state, stacked over the chains.
+    """
+
+    z: jax.Array
+    kernel_state: Any
+
+
+class NumPyroEStep(EStep):
     """Any NumPyro :class:`~numpyro.infer.mcmc.MCMCKernel` as the E-step.
 
     The kernel receives :math:`\\theta` through the model keyword ``_saem_theta`` and is
@@ -456,18 +478,22 @@ class NumPyroEStep:
                 "arguments (the kernel takes the per-row data from its ClientPartition)."
             )
 
-    def move(self, state, fn):
+    def latents(self, state: NumPyroEStepState) -> jax.Array:
+        """The chains' latents ``(C, d_z)``."""
+        return state.z
+
+    def move(self, state: NumPyroEStepState, fn: Callable) -> NumPyroEStepState:
         """No centring or transport for user kernels (their state is theirs): unchanged."""
         return state
 
-    def step_size_summary(self, state: Any = None) -> str:
+    def step_size_summary(self, state: NumPyroEStepState | None = None) -> str:
         """The kernel's own step size: the one in its state when it keeps one (HMC/NUTS's
         ``adapt_state.step_size``, set by its step-size search at ``init``; MALA's
         ``step_size``), else the one it was built with."""
         name = type(self.kernel).__name__
         h = None
         if state is not None:
-            ks = state[1]
+            ks = state.kernel_state
             h = getattr(getattr(ks, "adapt_state", None), "step_size", None)
             if h is None:
                 h = getattr(ks, "step_size", None)
@@ -493,15 +519,19 @@ class NumPyroEStep:
         kw = {k: v for k, v in kwargs.items() if k not in self.row_keys}
         return {**kw, "_saem_theta": self.info.constrain_theta(theta_u)}
 
-    def init(self, key, z, theta_u, data, ids=None):
+    def init(self, key, z, theta_u, data, ids=None) -> NumPyroEStepState:
+        """The kernel's ``init`` per chain at the latents ``z`` (host side: NumPyro's
+        ``init`` is not traceable in general), stacked."""
         args, _ = data
         states = []
         for c, k in enumerate(random.split(key, z.shape[0])):
             zu = self.info._unravel_z(z[c])
             states.append(self.kernel.init(k, 0, zu, args, self._kw(theta_u, data)))
-        return (z, jax.tree.map(lambda *v: jnp.stack(v), *states))
+        return NumPyroEStepState(z, jax.tree.map(lambda *v: jnp.stack(v), *states))
 
-    def step(self, key, state, theta_u, data, num_steps, adapt, ids=None):
+    def step(self, key, state: NumPyroEStepState, theta_u, data, num_steps, adapt, ids=None):
+        """``refresh`` the kernel at :math:`\\theta`, then ``num_steps`` of its ``sample``,
+        vmapped over the chains. Returns ``(state, mean_accept, finite)``."""
         args, _ = data
         kwt = self._kw(theta_u, data)
         _, kstate = state
@@ -514,11 +544,12 @@ class NumPyroEStep:
             acc = jnp.mean(getattr(s, "accept_prob", jnp.ones(())))
             return s, acc_sum + acc.astype(acc_sum.dtype)
 
-        zdt = state[0].dtype
+        zdt = state.z.dtype
         kstate, acc_sum = lax.fori_loop(0, num_steps, body, (kstate, jnp.zeros((), zdt)))
         zf = jax.vmap(lambda st: ravel_pytree(getattr(st, self.field))[0])(kstate)
         # the kernel's own divergence check is off (see __init__): the E-step is finite when
         # its latents AND the potential energy it tracks are (a chain running off to 1e20 has
         # finite coordinates but an infinite energy -- what the kernel's guard caught)
         finite = jnp.all(jnp.isfinite(zf)) & _energy_finite(kstate)
-        return (zf, kstate), acc_sum / jnp.maximum(num_steps, 1).astype(zdt), finite
+        acc = acc_sum / jnp.maximum(num_steps, 1).astype(zdt)
+        return NumPyroEStepState(zf, kstate), acc, finite

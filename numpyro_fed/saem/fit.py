@@ -1,7 +1,8 @@
 """MCMC-SAEM: the :class:`SAEM` front end and the pure fit loop.
 
-The loop (Dynamax ``fit_em`` style, over the E-step and M-step objects of
-:mod:`~numpyro_fed.saem.estep` and :mod:`~numpyro_fed.saem.mstep`):
+The loop (Dynamax ``fit_em`` style, over an E-step and an M-step: implementations of the
+:class:`~numpyro_fed.saem.protocols.EStep` and :class:`~numpyro_fed.saem.protocols.MStep`
+protocols, e.g. those of :mod:`~numpyro_fed.saem.estep` and :mod:`~numpyro_fed.saem.mstep`):
 
 .. math::
 
@@ -13,16 +14,24 @@ The loop (Dynamax ``fit_em`` style, over the E-step and M-step objects of
 final :math:`\\theta` are one :func:`jax.lax.scan` over phases (one E-step body serves the
 three). The compiled programs take the data, the initial :math:`\\theta` and the key as
 arguments. Every :meth:`SAEM.run` analyses the model and traces its programs afresh (what
-the model reads -- a module global, a closure, a mutable object -- is read now); the
-compiled executables are found by program content (:mod:`numpyro_fed._programs`), so a
-second run on new data of the same shapes -- a bootstrap, a covariate search, another
-seed -- compiles nothing, and a run whose programs changed never gets the old ones.
+the model reads -- a module global, a closure, a mutable object -- is read now) into a
+frozen :class:`SAEMProgram`; the compiled executables are found by program content
+(:mod:`numpyro_fed._programs`), so a second run on new data of the same shapes -- a
+bootstrap, a covariate search, another seed -- compiles nothing, and a run whose programs
+changed never gets the old ones.
+
+A failure inside the compiled loop is carried out of it as data (a :class:`Failure` code,
+the iteration and :math:`\\theta` in :class:`SAEMState`), decoded on the host into a
+:class:`SAEMFailure` and raised as a :class:`~numpyro_fed.errors.DivergenceError` naming
+the cause.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -38,6 +47,7 @@ from numpyro_fed.errors import DivergenceError
 from numpyro_fed.saem.estep import LangevinEStep, NumPyroEStep, flat_preconditioner
 from numpyro_fed.saem.model import (
     ModelInfo,
+    SubjectLayout,
     centred_score_hess,
     centring_design,
     jit_loop,
@@ -55,13 +65,50 @@ from numpyro_fed.saem.mstep import (
     UserMStep,
     detect_gaussian,
 )
+from numpyro_fed.saem.protocols import EStep, MStep, check_estep, check_mstep
 from numpyro_fed.saem.result import SAEMResult, boundary_advice, boundary_collapse, run_off
 from numpyro_fed.saem.schedule import MAX_ITERATIONS, Schedule
 
-__all__ = ["SAEM", "SAEMState", "fit_saem"]
+__all__ = ["SAEM", "SAEMFailure", "SAEMProgram", "SAEMState", "Failure", "fit_saem"]
 
 #: chains x subjects aimed at by the default number of chains
 MIN_CHAIN_SUBJECTS = 50
+
+
+class Failure(enum.IntEnum):
+    """What stopped a fit, as carried out of the compiled loop (:attr:`SAEMState.failure`).
+
+    - **NONE** -- nothing: the fit ran to the end.
+    - **BURN_IN** -- the E-step became non-finite during burn-in (at :math:`\\theta_0`).
+    - **ESTEP** -- the E-step became non-finite at an SAEM iteration.
+    - **MSTEP** -- the M-step gave a non-finite :math:`\\theta` from finite latents.
+    """
+
+    NONE = 0
+    BURN_IN = 1
+    ESTEP = 2
+    MSTEP = 3
+
+
+class SAEMFailure(NamedTuple):
+    """A failed fit, decoded on the host from the final :class:`SAEMState`.
+
+    - **kind** -- the :class:`Failure` (never ``NONE``).
+    - **iteration** -- the SAEM iteration (0-based; 0 for ``BURN_IN``).
+    - **theta** -- :math:`\\theta` (flat unconstrained) the failed step started from.
+    """
+
+    kind: Failure
+    iteration: int
+    theta: np.ndarray
+
+    @staticmethod
+    def of(state: SAEMState) -> SAEMFailure | None:
+        """The failure recorded in ``state``, or ``None``."""
+        kind = Failure(int(state.failure))
+        if kind is Failure.NONE:
+            return None
+        return SAEMFailure(kind, int(state.failed_at), np.asarray(state.failed_theta))
 
 
 class SAEMState(NamedTuple):
@@ -69,13 +116,13 @@ class SAEMState(NamedTuple):
 
     - **k** -- iteration counter.
     - **theta** -- flat unconstrained :math:`\\theta_k`.
-    - **estate** -- state of the E-step (its ``z`` holds the latents of every chain).
+    - **estate** -- state of the E-step (its latents hold every chain's).
     - **mstate** -- state of the M-step (SA statistics, Newton's averages).
     - **rng_key** -- random key.
-    - **bad_iter** -- first iteration with a non-finite E-step (-1: none; -2: burn-in).
-    - **bad_theta** -- :math:`\\theta` (unconstrained) at that iteration.
-    - **bad_mstep** -- whether it was the M-step (a non-finite :math:`\\theta` from finite
-      latents) rather than the E-step.
+    - **failure** -- int32 :class:`Failure` code of the first failure (``Failure.NONE``:
+      none); the loop stops updating once it is set.
+    - **failed_at** -- the iteration of that failure (0 during burn-in or without one).
+    - **failed_theta** -- :math:`\\theta` (unconstrained) at that iteration.
     """
 
     k: jax.Array
@@ -83,17 +130,22 @@ class SAEMState(NamedTuple):
     estate: Any
     mstate: Any
     rng_key: jax.Array
-    bad_iter: jax.Array
-    bad_theta: jax.Array
-    bad_mstep: jax.Array
+    failure: jax.Array
+    failed_at: jax.Array
+    failed_theta: jax.Array
 
 
 # phases of the compiled program
 _BURN, _ITER, _DRAW, _PAD = 0, 1, 2, 3
 
 
-def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None):
+def fit_saem(estep: EStep, mstep: MStep, latents: Callable | None = None,
+             score_hess: Callable | None = None):
     """The pure SAEM program: ``step(carry, x, data, aux, ids)`` for :func:`jax.lax.scan`.
+
+    ``estep`` and ``mstep`` implement :class:`~numpyro_fed.saem.protocols.EStep` and
+    :class:`~numpyro_fed.saem.protocols.MStep` (a :class:`TypeError` names a missing
+    member); ``latents(estate) -> z (C, d_z)`` defaults to ``estep.latents``.
 
     ``x = (phase, gamma, num_steps, adapt, anneal, draw_index)``;
     ``carry = (state, zbuf, accept_sum)``; ``zbuf`` collects the latents of the draws phase;
@@ -106,7 +158,19 @@ def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None):
     for the Newton M-step (``None`` when the M-step needs none). The Louis information is
     computed after the fit, from the draws at the final :math:`\\theta`
     (:meth:`~numpyro_fed.saem.SAEMResult.fisher_information`).
+
+    A non-finite E-step or M-step sets :attr:`SAEMState.failure` (a :class:`Failure` code)
+    and freezes the state; the host decodes it (:meth:`SAEMFailure.of`).
     """
+    check_estep(estep, "estep")
+    check_mstep(mstep, "mstep")
+    if latents is None:
+        latents = estep.latents
+    # the chains move with theta: by the M-step's transport (interweaving), else in the
+    # centred coordinates (z - M dtheta; see centring_design)
+    transport = mstep.transport
+    none, burn_in = int(Failure.NONE), int(Failure.BURN_IN)
+    e_fail, m_fail = int(Failure.ESTEP), int(Failure.MSTEP)
 
     def step(carry, x, data, aux, ids):
         aux, M = aux
@@ -120,8 +184,8 @@ def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None):
 
         def b_burn(_):
             mst = mstep.init(theta, z, data, aux)
-            bad = jnp.where(finite, state.bad_iter, -2).astype(jnp.int32)
-            return state._replace(estate=es, mstate=mst, rng_key=key, bad_iter=bad), zbuf, dacc
+            fail = jnp.where(finite, state.failure, burn_in).astype(jnp.int32)
+            return state._replace(estate=es, mstate=mst, rng_key=key, failure=fail), zbuf, dacc
 
         def b_iter(_):
             g = jnp.asarray(gamma, dt)
@@ -130,14 +194,11 @@ def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None):
             theta_new, mst = mstep.update(state.mstate, g, theta, z, data, aux, anneal,
                                           mean_sh)
             ok = finite & jnp.all(jnp.isfinite(theta_new))
-            already = state.bad_iter != -1
-            new = SAEMState(state.k + 1, theta_new, es, mst, key, state.bad_iter,
-                            state.bad_theta, state.bad_mstep)
+            already = state.failure != none
+            new = SAEMState(state.k + 1, theta_new, es, mst, key, state.failure,
+                            state.failed_at, state.failed_theta)
             keep = already | ~ok
             out = jax.tree.map(lambda a, b: jnp.where(keep, a, b), state, new)
-            # the chains move with theta: by the M-step's transport (interweaving), else in
-            # the centred coordinates (z - M dtheta; see centring_design)
-            transport = getattr(mstep, "transport", None)
             if transport is None:
                 def move(zf):
                     return zf - M @ (out.theta - theta)
@@ -146,10 +207,11 @@ def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None):
                     return transport(out.mstate, zf, theta, out.theta, aux)
             out = out._replace(estate=estep.move(out.estate, move))
             flag = ~already & ~ok
+            kind = jnp.where(finite, m_fail, e_fail).astype(jnp.int32)
             return out._replace(
-                rng_key=key, bad_iter=jnp.where(flag, state.k, state.bad_iter),
-                bad_theta=jnp.where(flag, theta, state.bad_theta),
-                bad_mstep=jnp.where(flag, finite, state.bad_mstep)), zbuf, dacc
+                rng_key=key, failure=jnp.where(flag, kind, state.failure),
+                failed_at=jnp.where(flag, state.k, state.failed_at),
+                failed_theta=jnp.where(flag, theta, state.failed_theta)), zbuf, dacc
 
         def b_draw(_):
             st = state._replace(estate=es, rng_key=key)
@@ -164,9 +226,45 @@ def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None):
     return step
 
 
-class _Structure:
-    """Everything SAEM builds from the model and the structure of its data, with its
-    programs; built by every run (the compiled executables are cached by content)."""
+@dataclass(frozen=True, eq=False)
+class SAEMProgram:
+    """The description of one SAEM fit, built by every :meth:`SAEM.run` from the model and
+    the structure of its data and never changed after (:attr:`SAEM.program`: the last
+    run's); the compiled
+    executables are cached by content (:mod:`numpyro_fed._programs`), this description is
+    not cached at all (what the model reads is read again by the next run).
+
+    - **info** -- the model (:class:`~numpyro_fed.saem.model.ModelInfo`).
+    - **data** -- ``(args, kwargs)``, the arrays the model reads concretely as NumPy arrays.
+    - **layout** -- the subject layout (one joint block without subjects).
+    - **layout_reason** -- why there are no subjects (``""`` when there are).
+    - **has_subjects** -- whether the latents factorise over a subject plate.
+    - **num_chains**, **prior_proposals** -- chains of :math:`z`, independence proposals
+      per E-step.
+    - **estep** -- the :class:`~numpyro_fed.saem.protocols.EStep`.
+    - **builtin** -- the E-step is SAEM's own (pure JAX; its programs take the data as
+      arguments), not the user's kernel or E-step.
+    - **mstep** -- the :class:`~numpyro_fed.saem.protocols.MStep`.
+    - **mstep_reason** -- why the closed-form Gaussian M-step does not apply (or ``""``).
+    - **use_fisher** -- standard errors are offered.
+    - **centring** -- the chains move in the centred coordinates.
+    - **step** -- the pure loop body (:func:`fit_saem`).
+    """
+
+    info: ModelInfo
+    data: tuple
+    layout: SubjectLayout
+    layout_reason: str
+    has_subjects: bool
+    num_chains: int
+    prior_proposals: int
+    estep: EStep
+    builtin: bool
+    mstep: MStep
+    mstep_reason: str
+    use_fisher: bool
+    centring: bool
+    step: Callable
 
 
 class SAEM:
@@ -185,8 +283,10 @@ class SAEM:
         ``constraint`` is respected), latent ``sample`` sites are :math:`z`.
     :param kernel: ``"mala"`` (default) or ``"ula"`` (built-in, pure JAX), a NumPyro
         :class:`~numpyro.infer.mcmc.MCMCKernel` instance that implements ``wrap_model`` and
-        ``refresh`` (e.g. ``NUTS(model)``), or a factory ``f(conditioned_model) ->
-        MCMCKernel``.
+        ``refresh`` (e.g. ``NUTS(model)``), a factory ``f(conditioned_model) ->
+        MCMCKernel``, or an E-step of your own (an implementation of
+        :class:`~numpyro_fed.saem.protocols.EStep`, on the flat unconstrained latents and
+        :math:`\\theta` of :class:`~numpyro_fed.saem.model.ModelInfo`).
     :param step_size: fixed Langevin step size :math:`\\eta` of the built-in kernels (no
         adaptation; with ``preconditioner``: the E-step of Gruffaz et al. 2024). ``None``
         (default): adaptive per-subject step sizes and preconditioners.
@@ -199,7 +299,8 @@ class SAEM:
     :param schedule: a :class:`Schedule` (default: saemix's, see :class:`Schedule`).
     :param mstep: ``"auto"`` (closed-form Gaussian where recognised, SA-Newton for the other
         parameters), ``"gaussian"`` (the same, but an error if nothing is recognised),
-        ``"newton"``, or a :class:`SufficientStatistics`.
+        ``"newton"``, a :class:`SufficientStatistics`, or an M-step of your own (an
+        implementation of :class:`~numpyro_fed.saem.protocols.MStep`).
     :param preconditioner: ``P(theta) -> dict`` of fixed diagonal preconditioners per latent
         site (with a fixed ``step_size``; Gruffaz et al. 2024, Sec. 5.4).
     :param fisher: offer standard errors (the Louis information from the draws at the final
@@ -238,12 +339,12 @@ class SAEM:
         self,
         model: Callable,
         *,
-        kernel: str | MCMCKernel | Callable = "mala",
+        kernel: str | MCMCKernel | EStep | Callable = "mala",
         step_size: float | None = None,
         num_mcmc_steps: int = 4,
         num_chains: int | None = None,
         schedule: Schedule | None = None,
-        mstep: str | SufficientStatistics = "auto",
+        mstep: str | SufficientStatistics | MStep = "auto",
         preconditioner: Callable | None = None,
         fisher: bool | None = None,
         annealed: Sequence[str] | None = None,
@@ -266,8 +367,11 @@ class SAEM:
             if kernel.lower() not in ("ula", "mala"):
                 raise ValueError(f"kernel={kernel!r}: use 'mala', 'ula' or an MCMCKernel.")
             kernel = kernel.lower()
-        elif not (isinstance(kernel, MCMCKernel) or callable(kernel)):
-            raise TypeError("`kernel` must be 'mala', 'ula', an MCMCKernel or a factory.")
+        elif not (isinstance(kernel, MCMCKernel | EStep) or callable(kernel)):
+            if any(hasattr(kernel, m) for m in ("init", "step", "latents")):
+                check_estep(kernel)  # an E-step that lacks members: say which
+            raise TypeError("`kernel` must be 'mala', 'ula', an MCMCKernel, a factory or an "
+                            "E-step (numpyro_fed.saem.protocols.EStep).")
         self.kernel = kernel
         self.step_size = check_positive_float("step_size", step_size, allow_none=True)
         self.num_mcmc_steps = check_int("num_mcmc_steps", num_mcmc_steps, minimum=1)
@@ -286,10 +390,14 @@ class SAEM:
         if not isinstance(self.schedule, Schedule):
             raise TypeError("`schedule` must be a numpyro_fed.saem.Schedule.")
         self.gammas = self.schedule.gamma_sequence()
-        if not (isinstance(mstep, SufficientStatistics) or mstep in ("auto", "gaussian", "newton")):
-            raise ValueError(
-                f"mstep={mstep!r}: use 'auto', 'gaussian', 'newton' or SufficientStatistics."
-            )
+        if isinstance(mstep, str):
+            if mstep not in ("auto", "gaussian", "newton"):
+                raise ValueError(
+                    f"mstep={mstep!r}: use 'auto', 'gaussian', 'newton', SufficientStatistics "
+                    "or an M-step (numpyro_fed.saem.protocols.MStep)."
+                )
+        elif not isinstance(mstep, SufficientStatistics):
+            check_mstep(mstep)
         self.mstep_spec = mstep
         if preconditioner is not None and step_size is None:
             raise ValueError(
@@ -313,28 +421,62 @@ class SAEM:
         if not 0.0 < target_accept < 1.0:
             raise ValueError(f"`target_accept` must lie in (0, 1), got {target_accept!r}.")
         self.target_accept = float(target_accept)
-        self.structure: _Structure | None = None
+        #: the :class:`SAEMProgram` of the last run (``None`` before one got that far)
+        self.program: SAEMProgram | None = None
 
     @property
     def num_chains(self) -> int:
         """Chains used (known after the model is analysed)."""
-        if self.structure is not None:
-            return self.structure.num_chains
+        if self.program is not None:
+            return self.program.num_chains
         return self._num_chains or 1
 
-    # ------------------------------------------------------------------ structure
-    def _build_structure(self, rng_key, args, kwargs, init_params=None) -> _Structure:
-        st = _Structure()
+    # ------------------------------------------------------------------ the program
+    def _build_program(self, rng_key, args, kwargs, init_params=None) -> SAEMProgram:
+        """The :class:`SAEMProgram` of this run, built afresh (no cache keyed on the model
+        object or a list of settings can see what the model reads; its programs are compiled
+        once per content, :func:`~numpyro_fed.saem.model.jit_once`): the model's analysis,
+        the subject layout (:meth:`_layout`), the M-step (:meth:`_mstep`), the E-step
+        (:meth:`_estep`) and the loop body over them (:func:`fit_saem`)."""
         info = ModelInfo(self.model, args, kwargs, rng_key)
         if init_params is not None:  # before anything is compiled
             info.check_init_params(init_params)
-        st.info = info
         # the arrays the model reads concretely, as NumPy arrays from here on: every program
         # that closes over the data sees concrete values (JAX stages operations on a
         # closed-over jax.Array)
         args, kwargs = static_as_numpy(args, kwargs, info.static_data)
-        st.data = (args, kwargs)
         builtin = isinstance(self.kernel, str)
+        layout, layout_reason, has_subjects = self._layout(info, builtin, args, kwargs,
+                                                           rng_key)
+        n_sub = layout.n if has_subjects else 1
+        num_chains = (self._num_chains if self._num_chains is not None
+                      else (max(2, math.ceil(MIN_CHAIN_SUBJECTS / n_sub))
+                            if has_subjects else 2))
+        if self._prior_proposals is not None:
+            n_prior = self._prior_proposals
+        else:
+            n_prior = 2 if (builtin and has_subjects) else 0
+        mstep, mstep_reason = self._mstep(info, args, kwargs, rng_key)
+        estep = self._estep(info, layout, n_prior, kwargs, bool(args))
+
+        def score_hess(theta_u, z, data, M):
+            return centred_score_hess(info, theta_u, z, data[0], data[1], M)
+
+        return SAEMProgram(
+            info=info, data=(args, kwargs), layout=layout, layout_reason=layout_reason,
+            has_subjects=has_subjects, num_chains=num_chains, prior_proposals=n_prior,
+            estep=estep, builtin=builtin, mstep=mstep, mstep_reason=mstep_reason,
+            use_fisher=bool(self.fisher if self.fisher is not None
+                            else info.dim_theta <= 50),
+            centring=bool(builtin and has_subjects and self.centring),
+            step=fit_saem(estep, mstep, estep.latents,
+                          score_hess if mstep.needs_score else None),
+        )
+
+    def _layout(self, info: ModelInfo, builtin: bool, args, kwargs, rng_key
+                ) -> tuple[SubjectLayout, str, bool]:
+        """``(layout, reason, has_subjects)``: the subject layout of the built-in E-steps
+        (:func:`~numpyro_fed.saem.model.subject_layout`), else one joint block and why."""
         layout, reason = (None, "mh_blocks='joint'")
         if self.mh_blocks != "joint" and builtin:
             layout, reason = subject_layout(info, self.subject_plate, args, kwargs,
@@ -344,21 +486,17 @@ class SAEM:
                     f"mh_blocks='subject': the model has no subject structure ({reason}); use "
                     "mh_blocks='joint'."
                 )
-        st.layout_reason = reason
-        st.layout = layout if layout is not None else joint_layout(info)
-        st.has_subjects = layout is not None
-        n_sub = st.layout.n if st.has_subjects else 1
-        st.num_chains = (self._num_chains if self._num_chains is not None
-                         else (max(2, math.ceil(MIN_CHAIN_SUBJECTS / n_sub))
-                               if st.has_subjects else 2))
-        if self._prior_proposals is not None:
-            n_prior = self._prior_proposals
-        else:
-            n_prior = 2 if (builtin and st.has_subjects) else 0
-        st.prior_proposals = n_prior
-        # M-step
-        schedule = self.schedule
-        tau = schedule.anneal_factor
+        if layout is None:
+            return joint_layout(info), reason, False
+        return layout, reason, True
+
+    def _mstep(self, info: ModelInfo, args, kwargs, rng_key) -> tuple[MStep, str]:
+        """``(mstep, reason)``: the M-step the ``mstep`` setting asks for (a user's
+        :class:`~numpyro_fed.saem.protocols.MStep` as given); with ``"auto"`` or
+        ``"gaussian"``, the closed-form Gaussian one where
+        :func:`~numpyro_fed.saem.mstep.detect_gaussian` recognises the model, with the reason
+        when it does not."""
+        tau = self.schedule.anneal_factor
         ann_mask = None
         if self.annealed is not None:
             unknown = set(self.annealed) - set(info.param_names)
@@ -368,72 +506,49 @@ class SAEM:
             for i, n in enumerate(info.param_names):
                 if n in self.annealed:
                     ann_mask[info.param_offsets[i]:info.param_offsets[i + 1]] = True
-        reason = ""
-        if isinstance(self.mstep_spec, SufficientStatistics):
-            mstep = UserMStep(info, self.mstep_spec, tau, ann_mask)
-        elif self.mstep_spec == "newton":
-            mstep = NewtonMStep(info, self.newton_damping, self.newton_max_step,
-                                anneal_factor=tau, annealed=ann_mask)
-        else:
-            spec, reason = detect_gaussian(info, args, kwargs, random.fold_in(rng_key, 7))
-            if spec is not None:
-                mstep = GaussianMStep(info, spec, damping=self.newton_damping,
-                                      max_step=self.newton_max_step, anneal_factor=tau,
-                                      interweave=self.interweave)
-            elif self.mstep_spec == "gaussian":
-                raise ValueError(
-                    f"mstep='gaussian': the model is not of the recognised Gaussian family "
-                    f"({reason}). Use mstep='newton' or give SufficientStatistics."
-                )
-            else:
-                mstep = NewtonMStep(info, self.newton_damping, self.newton_max_step,
-                                    anneal_factor=tau, annealed=ann_mask)
-        st.mstep, st.mstep_reason = mstep, reason
-        st.use_fisher = bool(self.fisher if self.fisher is not None else info.dim_theta <= 50)
-        # E-step
-        if builtin:
-            estep = LangevinEStep(
-                info, st.layout, mala=self.kernel == "mala", step_size=self.step_size,
+        spec = self.mstep_spec
+        if isinstance(spec, SufficientStatistics):
+            return UserMStep(info, spec, tau, ann_mask), ""
+        if not isinstance(spec, str):
+            return spec, ""
+        if spec == "newton":
+            return NewtonMStep(info, self.newton_damping, self.newton_max_step,
+                               anneal_factor=tau, annealed=ann_mask), ""
+        gspec, reason = detect_gaussian(info, args, kwargs, random.fold_in(rng_key, 7))
+        if gspec is not None:
+            return GaussianMStep(info, gspec, damping=self.newton_damping,
+                                 max_step=self.newton_max_step, anneal_factor=tau,
+                                 interweave=self.interweave), reason
+        if spec == "gaussian":
+            raise ValueError(
+                f"mstep='gaussian': the model is not of the recognised Gaussian family "
+                f"({reason}). Use mstep='newton' or give SufficientStatistics."
+            )
+        return NewtonMStep(info, self.newton_damping, self.newton_max_step,
+                           anneal_factor=tau, annealed=ann_mask), reason
+
+    def _estep(self, info: ModelInfo, layout: SubjectLayout, n_prior: int, kwargs,
+               has_args: bool) -> EStep:
+        """The E-step: SAEM's own Langevin E-step, a NumPyro kernel's, or the user's
+        :class:`~numpyro_fed.saem.protocols.EStep` as given."""
+        if isinstance(self.kernel, str):
+            return LangevinEStep(
+                info, layout, mala=self.kernel == "mala", step_size=self.step_size,
                 preconditioner=flat_preconditioner(info, self.preconditioner),
                 prior_proposals=n_prior, target_accept=self.target_accept)
-            st.latents = lambda es: es.z
-        else:
-            estep = NumPyroEStep(info, self.model, self.kernel, kwargs, bool(args))
-            st.latents = lambda es: es[0]
-        st.estep = estep
-        st.builtin = builtin
-        need_sh = bool(getattr(mstep, "needs_score", False))
-
-        def score_hess(theta_u, z, data, M):
-            return centred_score_hess(info, theta_u, z, data[0], data[1], M)
-
-        st.step = fit_saem(estep, mstep, st.latents, score_hess if need_sh else None)
-        st.programs = {}
-        st.first_run = True
-        return st
-
-    def _structure_for(self, rng_key, args, kwargs, init_params=None):
-        """The structure of this run, built afresh: no cache keyed on the model object or a
-        list of settings can see what the model reads (its programs are compiled once per
-        content, :func:`~numpyro_fed.saem.model.jit_once`)."""
-        st = self._build_structure(rng_key, args, kwargs, init_params)
-        # the arrays the model reads concretely are static (constants of the programs)
-        args, kwargs = st.data
-        arrays, static = split_data(args, kwargs, st.info.static_data)
-        self.structure = st
-        return st, arrays, static, args, kwargs
+        if isinstance(self.kernel, EStep) and not isinstance(self.kernel, MCMCKernel):
+            return self.kernel
+        return NumPyroEStep(info, self.model, self.kernel, kwargs, has_args)
 
     # ------------------------------------------------------------------ programs
-    def _init_program(self, st: _Structure, static):
-        if "init" in st.programs:
-            return st.programs["init"]
+    def _init_program(self, st: SAEMProgram, static):
         info, estep, mstep = st.info, st.estep, st.mstep
         C = st.num_chains
         strat, jitter = self.init_strategy, self.init_jitter
         model = self.model
 
         lay = st.layout
-        centre = st.builtin and st.has_subjects and self.centring
+        centre = st.centring
 
         def init(theta0, arrays, key, ids, log_step0):
             args, kwargs = merge_data(arrays, static)
@@ -461,27 +576,22 @@ class SAEM:
             mshape = jax.eval_shape(lambda t, z: mstep.init(t, z, data, aux[0]), theta0, z0)
             mst = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mshape)
             state = SAEMState(jnp.zeros((), jnp.int32), theta0, es, mst, k_run,
-                              jnp.full((), -1, jnp.int32), theta0, jnp.zeros((), bool))
+                              jnp.full((), int(Failure.NONE), jnp.int32),
+                              jnp.zeros((), jnp.int32), theta0)
             return state, z0, aux, per_site
 
-        prog = jit_once(init) if st.builtin else init
-        st.programs["init"] = prog
-        return prog
+        return jit_once(init) if st.builtin else init
 
-    def _chunk_program(self, st: _Structure, static):
-        if "chunk" in st.programs:
-            return st.programs["chunk"]
+    def _chunk_program(self, st: SAEMProgram, static):
         step = st.step
 
         def chunk(carry, xs, arrays, aux, ids):
             data = merge_data(arrays, static)
             return lax.scan(lambda c, x: step(c, x, data, aux, ids), carry, xs)
 
-        prog = jit_loop(chunk)
-        st.programs["chunk"] = prog
-        return prog
+        return jit_loop(chunk)
 
-    def _schedule_xs(self, st: _Structure):
+    def _schedule_xs(self, st: SAEMProgram):
         sch = self.schedule
         K, T, m, B = len(self.gammas), self.num_draws, self.num_mcmc_steps, sch.num_burnin
         n_expl = sch.num_exploration if sch.num_exploration > 0 else K // 2
@@ -540,8 +650,11 @@ class SAEM:
                 f"{type(rng_key).__name__} {rng_key!r}."
             )
         args, kwargs = model_args, model_kwargs
-        st, arrays, static, args, kwargs = self._structure_for(rng_key, args, kwargs,
-                                                               init_params)
+        st = self._build_program(rng_key, args, kwargs, init_params)
+        self.program = st
+        # the arrays the model reads concretely are static (constants of the programs)
+        args, kwargs = st.data
+        arrays, static = split_data(args, kwargs, st.info.static_data)
         info = st.info
         if init_params is not None:
             tc = info.check_init_params(init_params)
@@ -550,7 +663,8 @@ class SAEM:
             theta0 = info.theta0_u_flat
         # a strongly typed theta: the carry keeps one type, the program compiles once
         theta0 = jnp.asarray(theta0, dtype=jnp.result_type(theta0.dtype))
-        ids = self._ids(st, arrays, rng_key)
+        ids = ({k: jnp.asarray(v) for k, v in st.layout.site_ids} if st.has_subjects
+               else None)
         init = self._init_program(st, static)
         log_step0 = jnp.asarray(math.log(self.step_size) if self.step_size else 0.0,
                                 theta0.dtype)
@@ -599,7 +713,7 @@ class SAEM:
                 accs.append(ac)
                 if bar is not None:
                     bar.update(min(L, total - c * L))
-                    if int(carry[0].bad_iter) != -1:
+                    if int(carry[0].failure) != Failure.NONE:
                         break
         finally:
             if bar is not None:
@@ -607,11 +721,12 @@ class SAEM:
         thetas = np.concatenate([np.asarray(t) for t in thetas])
         accs = np.concatenate([np.asarray(a) for a in accs])
         state, zs, dacc = carry
-        bad = int(state.bad_iter)
-        if bad != -1:
+        failure = SAEMFailure.of(state)
+        if failure is not None:
             # the updates before the failure (a failed iteration keeps the last finite theta)
-            traj = thetas[B1:B1 + max(bad, 0)]
-            raise self._divergence_error(st, state, theta0, bad, args, kwargs, traj)
+            traj = thetas[B1:B1 + failure.iteration]
+            raise self._divergence_error(st, failure, state.estate, theta0, args, kwargs,
+                                         traj)
         res = SAEMResult(
             model=self.model, info=info, layout=st.layout if st.has_subjects else None,
             ids=ids, theta=np.asarray(state.theta),
@@ -620,39 +735,26 @@ class SAEM:
             centring=np.asarray(aux[1]) if st.use_fisher else None,
             mstep=st.mstep.kind, args=args, kwargs=kwargs,
             num_exploration=self.schedule.num_exploration, settings=self._describe(st),
-            programs=st.programs.setdefault("result", {}), theta0=np.asarray(theta0),
+            programs={}, theta0=np.asarray(theta0),
         )
         res.convergence_messages = res.check_convergence(warn=True)
         return res
 
     fit = run
 
-    def _ids(self, st, arrays, key):
-        """Subject of every site element; found again for each dataset in long format (the
-        subject index is data) by the structure's compiled detection program."""
-        if not st.has_subjects:
-            return None
-        lay = st.layout
-        ids = {k: jnp.asarray(v) for k, v in lay.site_ids}
-        if lay.ids_program is not None and not st.first_run:
-            new, err = lay.ids_program(arrays, random.fold_in(key, 3))
-            if err:
-                raise ValueError(f"SAEM: the data do not factorise over subjects: {err}.")
-            ids.update({k: jnp.asarray(v) for k, v in new.items()})
-        st.first_run = False
-        return ids
-
-    def _divergence_error(self, st: _Structure, state: SAEMState, theta0, bad: int, args,
+    def _divergence_error(self, st: SAEMProgram, failure: SAEMFailure, estate, theta0, args,
                           kwargs, traj=None) -> DivergenceError:
-        """The error for a non-finite E-step (host side, after the run): it quotes the
-        E-step kernel's own step size and, when the log-density of a site is already
-        non-finite at that theta for the latents the E-step started from, names the site.
-        When a parameter was heading to the boundary of its support (a variance collapsing
-        to 0, see :func:`~numpyro_fed.saem.result.boundary_collapse`), that is the cause
-        named, with its last finite value and the iteration."""
+        """The error for a failed fit (host side, after the run), by the kind of the
+        failure: it quotes the E-step kernel's own step size and, when the log-density of a
+        site is already non-finite at that theta for the latents the E-step started from,
+        names the site; a non-finite M-step is blamed on the M-step. When a parameter was
+        heading to the boundary of its support (a variance collapsing to 0, see
+        :func:`~numpyro_fed.saem.result.boundary_collapse`), that is the cause named, with
+        its last finite value and the iteration."""
         info = st.info
+        bad = failure.iteration
         ran = ""
-        if bad >= 0 and traj is not None and len(traj):
+        if failure.kind is not Failure.BURN_IN and traj is not None and len(traj):
             tc = np.asarray(jax.vmap(info.theta_c_flat)(jnp.asarray(traj)))
             tc0 = np.asarray(info.theta_c_flat(jnp.asarray(theta0)))
             off = run_off(info, tc, tc0)
@@ -667,35 +769,38 @@ class SAEM:
                     + ("it" if len(off) == 1 else "them") + ".")
             b = boundary_collapse(info, tc, tc0)
             if b is not None:
-                what = "M-step" if bool(state.bad_mstep) else "E-step"
+                what = "M-step" if failure.kind is Failure.MSTEP else "E-step"
                 return DivergenceError(
                     f"SAEM: '{b['name']}' collapsed to its boundary {b['bound']:g}: its last "
                     f"finite value was {b['value']:.3g} at iteration {b['iteration']} (down "
                     f"from {b['reference']:.3g}), and the {what} became non-finite at "
-                    f"iteration {bad + 1} (theta={_format_theta(info, state.bad_theta)}). The "
+                    f"iteration {bad + 1} (theta={_format_theta(info, failure.theta)}). The "
                     f"constraint of '{b['name']}' is respected; "
                     + boundary_advice(b) + "."
                 )
-        summary = st.estep.step_size_summary(state.estate)
-        if not st.builtin:
+        summary = st.estep.step_size_summary(estate)
+        if isinstance(st.estep, NumPyroEStep):
             name = type(st.estep.kernel).__name__
             fix = (f"reduce the step size of the E-step kernel {name} (the `kernel` you "
                    "passed; SAEM's own `step_size` does not apply to it)")
+        elif not st.builtin:
+            fix = (f"check your E-step {type(st.estep).__name__} (the `kernel` you passed; "
+                   "SAEM's own `step_size` does not apply to it)")
         elif self.step_size is not None:
             fix = ("reduce `step_size`, or leave step_size=None for the adaptive E-step "
                    "(SAEM's default)")
         else:
             fix = ("the adaptive E-step rejects non-finite proposals, so the model's "
                    "log-density itself became non-finite: check the model at these values")
-        if bad == -2:
+        if failure.kind is Failure.BURN_IN:
             return DivergenceError(
                 f"SAEM: the E-step kernel diverged during burn-in at theta_0="
                 f"{_format_theta(info, theta0)} (E-step: {summary}); {fix}; or give initial "
                 "values closer to the data (`init_params`)."
             )
-        theta = _format_theta(info, state.bad_theta)
-        sites = info.nonfinite_sites(info.constrain_theta(jnp.asarray(state.bad_theta)),
-                                     st.latents(state.estate), args, kwargs)
+        theta = _format_theta(info, failure.theta)
+        sites = info.nonfinite_sites(info.constrain_theta(jnp.asarray(failure.theta)),
+                                     st.estep.latents(estate), args, kwargs)
         if sites:
             names = ", ".join(f"'{n}'" for n in sites)
             return DivergenceError(
@@ -711,9 +816,9 @@ class SAEM:
                    + ("." if st.builtin and self.step_size is None else
                       f"; if theta ran off because the E-step diverged first, {fix}."))
             )
-        if bool(state.bad_mstep):  # the model is finite there: the M-step itself
+        if failure.kind is Failure.MSTEP:  # the model is finite there: the M-step itself
             what = ("your SufficientStatistics maximizer"
-                    if st.mstep.kind == "sufficient-statistics"
+                    if isinstance(st.mstep, UserMStep)
                     else f"the {st.mstep.kind} M-step")
             return DivergenceError(
                 f"SAEM: the M-step gave a non-finite theta at iteration {bad}, from "
@@ -727,8 +832,9 @@ class SAEM:
             f"(E-step: {summary}); {fix}." + ran
         )
 
-    def _describe(self, st: _Structure) -> dict:
-        spec = getattr(st.mstep, "spec", None)
+    def _describe(self, st: SAEMProgram) -> dict:
+        """:attr:`SAEMResult.settings <numpyro_fed.saem.SAEMResult.settings>` of the fit."""
+        desc = st.mstep.describe()
         return {
             "kernel": self.kernel if isinstance(self.kernel, str) else type(self.kernel).__name__,
             "num_chains": st.num_chains, "prior_proposals": st.prior_proposals,
@@ -738,17 +844,15 @@ class SAEM:
             "adaptive": self.step_size is None and st.builtin,
             "num_iters": len(self.gammas), "num_exploration": self.schedule.num_exploration,
             "use_fisher": st.use_fisher,
-            "centring": bool(st.builtin and st.has_subjects and self.centring),
-            "interweave": bool(getattr(st.mstep, "interweave", False)),
+            "centring": st.centring,
+            "interweave": bool(desc.get("interweave", False)),
             # the data arguments the model reads concretely (static: compiled per value)
             "static_data": list(st.info.static_data),
             # the scales of Gaussian sites (standard deviations of random effects and
             # residuals: flat constrained indices) and the covariance parameters of
             # MultivariateNormal sites, for the variance scale of the parameter table
-            "variance_coords": sorted(int(i) for i in np.concatenate(
-                [spec.scale_lat_idx, spec.scale_obs_idx])) if spec is not None else [],
-            "mvn_covariances": [(n, r, list(ps)) for n, r, ps in spec.mvn_sites]
-            if spec is not None else [],
+            "variance_coords": list(desc.get("variance_coords", [])),
+            "mvn_covariances": list(desc.get("mvn_covariances", [])),
         }
 
 

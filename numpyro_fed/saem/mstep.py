@@ -1,6 +1,7 @@
 """M-steps of MCMC-SAEM: stochastic approximation of the statistics and the maximisation.
 
-Every M-step is an explicit ``(init, update)`` pair on its own state (Optax style):
+Every M-step is an explicit ``(init, update)`` pair on its own state (Optax style), an
+implementation of the :class:`~numpyro_fed.saem.protocols.MStep` protocol:
 
 - ``init(theta_u, z, data, aux) -> state`` -- the statistics at the first draws;
 - ``update(state, gamma, theta_u, z, data, aux, anneal, score_hess) -> (theta_u, state)``
@@ -44,6 +45,7 @@ from jax.flatten_util import ravel_pytree
 from numpyro.distributions import constraints
 
 from numpyro_fed.saem.model import ModelInfo, jit_once, merge_data, split_data
+from numpyro_fed.saem.protocols import MStep
 
 __all__ = ["SufficientStatistics", "GaussianMStep", "NewtonMStep", "UserMStep",
            "detect_gaussian"]
@@ -156,23 +158,48 @@ def _mvn_rule_params(rule, names, Sigma):
     return {names[0]: sd, names[1]: jnp.linalg.cholesky(corr)}
 
 
-def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | None, str]:
-    """Recognise the Gaussian random-effects family by numerical probes (three values of
-    :math:`\\theta`, two of :math:`z`). Returns ``(spec, "")`` or ``(None, reason)`` when no
-    latent site is of the family (the whole M-step is then SA-Newton).
+class _Probes(NamedTuple):
+    """Where :func:`detect_gaussian` looks at the model: three values of :math:`\\theta`
+    (flat constrained), two of :math:`z` (flat unconstrained), and the param site of each
+    flat constrained coordinate."""
 
-    A latent Normal site is closed-form when its location is exactly affine in real-valued
-    parameters with a design that depends on neither :math:`z` nor :math:`\\theta` and each
-    scale is proportional to one positive parameter; a MultivariateNormal site when its
-    location is affine and its covariance is one of the recognised parametrisations (checked
-    by mapping a random covariance to the parameters and back). These parameters must not
-    enter any other site. An observed Normal site gives a closed-form residual scale when its
-    scale is proportional to one positive parameter that enters no other site. All other
-    parameters are left to SA-Newton.
-    """
+    theta_c: list  # (d,) arrays
+    z: list  # (d_z,) arrays
+    coord_param: np.ndarray  # (d,) index into info.param_names
+    unravel_c: Callable  # flat constrained theta -> dict
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        """Every (theta, z) probe pair, in a fixed order."""
+        return [(i, j) for i in range(len(self.theta_c)) for j in range(len(self.z))]
+
+    def params_of(self, J) -> set[int]:
+        """The params whose coordinates a Jacobian ``J`` ``(rows, d)`` depends on."""
+        return {int(self.coord_param[j]) for j in np.nonzero(np.any(J != 0, 0))[0]}
+
+    def columns(self, params) -> np.ndarray:
+        """Flat constrained indices of the coordinates of ``params``."""
+        return np.nonzero(np.isin(self.coord_param, sorted(params)))[0]
+
+
+class _SiteProbe(NamedTuple):
+    """What the probes say of one site: its location and scale at every probe pair
+    (``vals``), their Jacobians in :math:`\\theta` (``loc_jac``, ``scale_jac``, in the order
+    of :attr:`_Probes.pairs`) and the params each depends on."""
+
+    loc: np.ndarray  # (P, Z, rows)
+    scale: np.ndarray  # (P, Z, rows)
+    loc_jac: list  # (rows, d) per pair
+    scale_jac: list  # (rows, d) per pair
+    loc_params: set
+    scale_params: set
+
+
+def _make_probes(info: ModelInfo, key) -> _Probes:
+    """Three values of :math:`\\theta` (the initial one and two random perturbations of it,
+    unconstrained) and two of :math:`z` (the initial one and a perturbation)."""
     tc0 = {n: jnp.asarray(v) for n, v in info.theta0_c.items()}
-    tc0_flat, unravel_c = ravel_pytree(tc0)
-    d = int(tc0_flat.size)
+    _, unravel_c = ravel_pytree(tc0)
     coord_param = np.concatenate(
         [np.full(int(np.size(tc0[n])), i) for i, n in enumerate(info.param_names)]
     ).astype(int)
@@ -183,7 +210,17 @@ def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | 
     probes_c = [ravel_pytree(info.constrain_theta(t))[0] for t in probes_u]
     z0 = info.z0_u_flat
     zs = [z0, z0 + 0.2 * random.normal(k3, z0.shape)]
+    return _Probes(probes_c, zs, coord_param, unravel_c)
+
+
+def _probe_sites(info: ModelInfo, pr: _Probes, args, kwargs) -> tuple[dict, dict]:
+    """At every probe pair, the location and scale of each Normal site (and of each latent
+    MultivariateNormal site: its location and ``scale_tril``) with their Jacobians in
+    :math:`\\theta`, and which params enter each site's log-density. Returns
+    ``({site: _SiteProbe}, {site: set of params entering it})``; one compiled program
+    (the data are its arguments: new data of the same shapes reuse it)."""
     site_names = info.latent_names + info.observed_names
+    unravel_c = pr.unravel_c
 
     def parts(tcf, zf, args, kwargs):
         zc, _ = info.constrain_z(zf)
@@ -208,8 +245,7 @@ def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | 
         lps = info.site_log_probs({**unravel_c(tcf), **zc}, args, kwargs)
         return {n: jnp.sum(v) for n, v in lps.items()}
 
-    # the data are arguments of the probe (those the model reads concretely are constants):
-    # new data of the same shapes reuse its compiled program
+    # the data are arguments of the probe (those the model reads concretely are constants)
     arrays, static = split_data(args, kwargs, info.static_data)
 
     def probe(P, Z, arrays):
@@ -220,75 +256,90 @@ def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | 
                        (0, None))(P, Z)
         return vals, jacs, dep
 
-    P, Z = jnp.stack(probes_c), jnp.stack(zs)
+    P, Z = jnp.stack(pr.theta_c), jnp.stack(pr.z)
     vals, jacs, dep = jax.tree.map(np.asarray, jit_once(probe)(P, Z, arrays))
     # which params enter the log-density of each site (any probe)
-    enters = {n: {int(coord_param[j]) for j in np.nonzero(np.any(dep[n] != 0, (0, 1)))[0]}
+    enters = {n: {int(pr.coord_param[j]) for j in np.nonzero(np.any(dep[n] != 0, (0, 1)))[0]}
               for n in site_names}
-    pz = [(i, j) for i in range(len(probes_c)) for j in range(len(zs))]
-
-    def deps(J):
-        return {int(coord_param[j]) for j in np.nonzero(np.any(J != 0, 0))[0]}
-
-    cand_lat = {}  # name -> dict
-    cand_obs = {}
+    sites = {}
     for n in vals:
-        Jl = [jacs[n][0][i, j] for i, j in pz]
-        Js = [jacs[n][1][i, j] for i, j in pz]
-        dep_loc = set().union(*[deps(J) for J in Jl])
-        dep_scale = set().union(*[deps(J) for J in Js])
-        is_mvn = n in info.latent_names and unwrap_normal(
-            info.trace0[n]["fn"], info.trace0[n]["value"]) is None
-        if not dep_scale or dep_loc & dep_scale:
-            continue
-        if n in info.observed_names:
-            if is_mvn or len(dep_scale) == 0:
-                continue
-            if not all(_is_positive(info.param_constraints[info.param_names[p]])
-                       for p in dep_scale):
-                continue
-            cols = np.nonzero(np.isin(coord_param, sorted(dep_scale)))[0]
-            if any(np.any(np.count_nonzero(J[:, cols], axis=1) != 1) for J in Js):
-                continue
-            g = cols[np.argmax(Js[0][:, cols] != 0, axis=1)]
-            if not all(_allclose(vals[n][1][i, j], Js[k][:, cols] @ np.asarray(
-                    probes_c[i])[cols]) for k, (i, j) in enumerate(pz)):
-                continue
-            cand_obs[n] = dict(g=g, scale=dep_scale, loc=dep_loc)
-            continue
-        # latent: location affine with a fixed design
-        lcols = np.nonzero(np.isin(coord_param, sorted(dep_loc)))[0]
-        if dep_loc and not all(_is_real(info.param_constraints[info.param_names[p]])
-                               for p in dep_loc):
-            continue
-        if not all(_allclose(J[:, lcols], Jl[0][:, lcols]) for J in Jl):
-            continue
-        A_full = Jl[0][:, lcols]
-        c0 = vals[n][0][0, 0] - A_full @ np.asarray(probes_c[0])[lcols]
-        if not all(_allclose(vals[n][0][i, j], A_full @ np.asarray(probes_c[i])[lcols] + c0)
-                   for i, j in pz):
-            continue
-        if not all(_allclose(J, Js[0]) for J in Js) and not is_mvn:
-            continue
-        if is_mvn:
-            q = info.trace0[n]["value"].shape[-1]
-            rule = _find_mvn_rule(info, n, sorted(dep_scale), args, kwargs, key)
-            if rule is None:
-                continue
-            cand_lat[n] = dict(kind="mvn", loc=dep_loc, scale=dep_scale, rule=rule, q=q)
-        else:
-            if not all(_is_positive(info.param_constraints[info.param_names[p]])
-                       for p in dep_scale):
-                continue
-            cols = np.nonzero(np.isin(coord_param, sorted(dep_scale)))[0]
-            J0 = Js[0][:, cols]
-            if np.any(np.count_nonzero(J0, axis=1) != 1):
-                continue
-            g = cols[np.argmax(J0 != 0, axis=1)]
-            if not _allclose(vals[n][1][0, 0], J0 @ np.asarray(probes_c[0])[cols]):
-                continue
-            cand_lat[n] = dict(kind="diag", loc=dep_loc, scale=dep_scale, g=g)
-    # closed-form parameters must enter only their own sites
+        Jl = [jacs[n][0][i, j] for i, j in pr.pairs]
+        Js = [jacs[n][1][i, j] for i, j in pr.pairs]
+        sites[n] = _SiteProbe(vals[n][0], vals[n][1], Jl, Js,
+                              set().union(*[pr.params_of(J) for J in Jl]),
+                              set().union(*[pr.params_of(J) for J in Js]))
+    return sites, enters
+
+
+def _positive_params(info: ModelInfo, params) -> bool:
+    return all(_is_positive(info.param_constraints[info.param_names[p]]) for p in params)
+
+
+def _observed_candidate(info: ModelInfo, pr: _Probes, sp: _SiteProbe) -> dict | None:
+    """An observed Normal site whose scale is, element by element, one positive param times
+    a constant: ``dict(g=flat index of each element's scale param, scale, loc)``, or
+    ``None``."""
+    if not _positive_params(info, sp.scale_params):
+        return None
+    cols = pr.columns(sp.scale_params)
+    if any(np.any(np.count_nonzero(J[:, cols], axis=1) != 1) for J in sp.scale_jac):
+        return None
+    g = cols[np.argmax(sp.scale_jac[0][:, cols] != 0, axis=1)]
+    if not all(_allclose(sp.scale[i, j], sp.scale_jac[k][:, cols] @ np.asarray(
+            pr.theta_c[i])[cols]) for k, (i, j) in enumerate(pr.pairs)):
+        return None
+    return dict(g=g, scale=sp.scale_params, loc=sp.loc_params)
+
+
+def _affine_location(info: ModelInfo, pr: _Probes, sp: _SiteProbe) -> bool:
+    """The location is affine in real-valued params, with a design that depends on neither
+    :math:`z` nor :math:`\\theta`."""
+    if sp.loc_params and not all(_is_real(info.param_constraints[info.param_names[p]])
+                                 for p in sp.loc_params):
+        return False
+    lcols = pr.columns(sp.loc_params)
+    if not all(_allclose(J[:, lcols], sp.loc_jac[0][:, lcols]) for J in sp.loc_jac):
+        return False
+    A_full = sp.loc_jac[0][:, lcols]
+    c0 = sp.loc[0, 0] - A_full @ np.asarray(pr.theta_c[0])[lcols]
+    return all(_allclose(sp.loc[i, j], A_full @ np.asarray(pr.theta_c[i])[lcols] + c0)
+               for i, j in pr.pairs)
+
+
+def _latent_candidate(info: ModelInfo, pr: _Probes, n: str, sp: _SiteProbe, is_mvn: bool,
+                      args, kwargs, key) -> dict | None:
+    """A latent site with an affine location (:func:`_affine_location`) and either (Normal)
+    each scale one positive param times a constant, or (MultivariateNormal) a recognised
+    parametrisation of its covariance (:func:`_find_mvn_rule`); ``None`` otherwise."""
+    if not _affine_location(info, pr, sp):
+        return None
+    if not all(_allclose(J, sp.scale_jac[0]) for J in sp.scale_jac) and not is_mvn:
+        return None
+    if is_mvn:
+        q = info.trace0[n]["value"].shape[-1]
+        rule = _find_mvn_rule(info, n, sorted(sp.scale_params), args, kwargs, key)
+        if rule is None:
+            return None
+        return dict(kind="mvn", loc=sp.loc_params, scale=sp.scale_params, rule=rule, q=q)
+    if not _positive_params(info, sp.scale_params):
+        return None
+    cols = pr.columns(sp.scale_params)
+    J0 = sp.scale_jac[0][:, cols]
+    if np.any(np.count_nonzero(J0, axis=1) != 1):
+        return None
+    g = cols[np.argmax(J0 != 0, axis=1)]
+    if not _allclose(sp.scale[0, 0], J0 @ np.asarray(pr.theta_c[0])[cols]):
+        return None
+    return dict(kind="diag", loc=sp.loc_params, scale=sp.scale_params, g=g)
+
+
+def _keep_own_params(cand_lat: dict, cand_obs: dict, enters: dict, site_names) -> None:
+    """Drop (in place, to a fixed point) the candidates whose closed-form params enter
+    another site: a location coefficient may be shared with another closed-form latent
+    site, and so may a (vector) scale param between diagonal sites (each element matched to
+    its coordinate, e.g. omega[0] and omega[1] of two sites); a residual scale may be
+    shared between observed candidates; and no param may be the scale of both a latent and
+    an observed candidate."""
     changed = True
     while changed:
         changed = False
@@ -301,9 +352,6 @@ def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | 
                 shared = own & enters[m]
                 if not shared:
                     continue
-                # a location coefficient may be shared with another closed-form latent site,
-                # and so may a (vector) scale parameter between diagonal sites (each element
-                # is matched to its coordinate, e.g. omega[0] and omega[1] of two sites)
                 ok = m in others_loc and (
                     shared <= (cand_lat[n]["loc"] & cand_lat[m]["loc"])
                     or (shared <= (cand_lat[n]["scale"] & cand_lat[m]["scale"])
@@ -319,14 +367,16 @@ def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | 
                     del cand_obs[n]
                     changed = True
                     break
-        # the scale parameter of one site may not be the scale parameter of another kind
         lat_scales = set().union(*[v["scale"] for v in cand_lat.values()]) if cand_lat else set()
         for n in list(cand_obs):
             if cand_obs[n]["scale"] & lat_scales:
                 del cand_obs[n]
                 changed = True
-    if not cand_lat:
-        return None, "no latent site is Gaussian with an affine mean and a recognised scale"
+
+
+def _gaussian_spec(info: ModelInfo, pr: _Probes, cand_lat: dict, cand_obs: dict
+                   ) -> GaussianSpec:
+    """The :class:`GaussianSpec` of the kept candidates (sites in the model's order)."""
     diag_sites = tuple(n for n in info.latent_names if n in cand_lat
                        and cand_lat[n]["kind"] == "diag")
     mvn_sites = tuple(n for n in info.latent_names if n in cand_lat
@@ -339,11 +389,8 @@ def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | 
     for v in cand_obs.values():
         closed |= v["scale"]
     newton_params = set(range(len(info.param_names))) - closed
-
-    def idx_of(params):
-        return np.nonzero(np.isin(coord_param, sorted(params)))[0]
-
-    spec = GaussianSpec(
+    idx_of = pr.columns
+    return GaussianSpec(
         diag_sites=diag_sites,
         mvn_sites=tuple((n, cand_lat[n]["rule"][0], cand_lat[n]["rule"][1]) for n in mvn_sites),
         obs_sites=obs_sites,
@@ -362,8 +409,47 @@ def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | 
         mvn_par_idx=idx_of(set().union(*[cand_lat[n]["loc"] | cand_lat[n]["scale"]
                                          for n in mvn_sites]) if mvn_sites else set()),
     )
-    del d
-    return spec, ""
+
+
+def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | None, str]:
+    """Recognise the Gaussian random-effects family by numerical probes (three values of
+    :math:`\\theta`, two of :math:`z`). Returns ``(spec, "")`` or ``(None, reason)`` when no
+    latent site is of the family (the whole M-step is then SA-Newton).
+
+    A latent Normal site is closed-form when its location is exactly affine in real-valued
+    parameters with a design that depends on neither :math:`z` nor :math:`\\theta` and each
+    scale is proportional to one positive parameter; a MultivariateNormal site when its
+    location is affine and its covariance is one of the recognised parametrisations (checked
+    by mapping a random covariance to the parameters and back). These parameters must not
+    enter any other site. An observed Normal site gives a closed-form residual scale when its
+    scale is proportional to one positive parameter that enters no other site. All other
+    parameters are left to SA-Newton.
+
+    The steps: the probe points (:func:`_make_probes`), the sites' locations, scales and
+    dependencies there (:func:`_probe_sites`), each site's candidacy
+    (:func:`_observed_candidate`, :func:`_latent_candidate`), the candidates whose
+    params are their own (:func:`_keep_own_params`), the spec (:func:`_gaussian_spec`).
+    """
+    pr = _make_probes(info, key)
+    sites, enters = _probe_sites(info, pr, args, kwargs)
+    cand_lat: dict = {}
+    cand_obs: dict = {}
+    for n, sp in sites.items():
+        if not sp.scale_params or sp.loc_params & sp.scale_params:
+            continue
+        if n in info.observed_names:
+            cand = _observed_candidate(info, pr, sp)
+            if cand is not None:
+                cand_obs[n] = cand
+            continue
+        is_mvn = unwrap_normal(info.trace0[n]["fn"], info.trace0[n]["value"]) is None
+        cand = _latent_candidate(info, pr, n, sp, is_mvn, args, kwargs, key)
+        if cand is not None:
+            cand_lat[n] = cand
+    _keep_own_params(cand_lat, cand_obs, enters, info.latent_names + info.observed_names)
+    if not cand_lat:
+        return None, "no latent site is Gaussian with an affine mean and a recognised scale"
+    return _gaussian_spec(info, pr, cand_lat, cand_obs), ""
 
 
 def _find_mvn_rule(info: ModelInfo, site, scale_params, args, kwargs, key):
@@ -523,7 +609,7 @@ def _backtrack(objective, x0, step, g, active):
     return lax.cond(active, search, lambda _: step, None)
 
 
-class NewtonMStep:
+class NewtonMStep(MStep):
     """Stochastic-approximation Newton on the SA-averaged complete-data log-likelihood.
 
     Keeps SA averages of the score :math:`g` and Hessian :math:`H` of
@@ -547,6 +633,7 @@ class NewtonMStep:
 
     kind = "newton"
     needs_score = True
+    transport = None
 
     def __init__(self, info: ModelInfo, damping: float = 1.0, max_step: float = 1.0,
                  eig_floor: float = 1e-4, anneal_factor: float = 0.97,
@@ -613,12 +700,13 @@ def _anneal_flat(info, theta_old_u, theta_new_u, mask, anneal, tau):
     return info.unconstrain_theta(info._unravel_theta_c(floored))
 
 
-class UserMStep:
+class UserMStep(MStep):
     """Stochastic approximation on user sufficient statistics + their closed-form maximiser
     (:class:`SufficientStatistics`)."""
 
     kind = "sufficient-statistics"
     needs_score = False
+    transport = None
 
     def __init__(self, info: ModelInfo, ss: SufficientStatistics, anneal_factor=0.97,
                  annealed: np.ndarray | None = None):
@@ -697,7 +785,7 @@ class GaussianState(NamedTuple):
     vmax: tuple  # per MVN site: largest variance (diagonal of Omega) so far
 
 
-class GaussianMStep:
+class GaussianMStep(MStep):
     """Closed-form M-step of the Gaussian random-effects family, SA-Newton for the other
     parameters (see the module docstring). Simulated annealing (saemix): while ``anneal``
     holds, each variance -- a diagonal :math:`\\omega^2`, the diagonal of a full
@@ -987,6 +1075,18 @@ class GaussianMStep:
             z2 = z2.at[pos].set(mean(tc1) + (L1 @ eta).T)
             lj = lj + pos.shape[0] * jnp.sum(jnp.log(jnp.diagonal(L1)))
         return z2, lj
+
+    def describe(self) -> dict:
+        """Interweaving, the flat constrained indices of the standard deviations of the
+        diagonal Gaussian sites and of the residuals, and the MultivariateNormal sites'
+        covariance params (for the variance scale of the parameter table)."""
+        spec = self.spec
+        return {
+            "interweave": self.interweave,
+            "variance_coords": sorted(int(i) for i in np.concatenate(
+                [spec.scale_lat_idx, spec.scale_obs_idx])),
+            "mvn_covariances": [(n, r, list(ps)) for n, r, ps in spec.mvn_sites],
+        }
 
     def transport(self, state: GaussianState, zf, theta_old, theta_new, aux: GaussianAux):
         """Where a chain at ``zf`` (a draw at ``theta_old``) goes after the update: by the
