@@ -146,7 +146,11 @@ def test_dyestuff2_reaches_the_boundary_maximum_and_is_singular():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         se = res.standard_errors()
-    assert res.fisher_method == "exact"  # the closed-form Hessian, on the face
+    # the closed-form Hessian on the face, or adaptive Gauss-Hermite quadrature (exact on
+    # this Gaussian integrand too): at the boundary (tau 2.8e-3, conditional precision 1.3e5)
+    # the float32 Gaussianity check of method "auto" saw a 3.2e-3 departure from the
+    # quadratic expansion on one batch on one CPU (tolerance 1.2e-3) and fell back to "gq"
+    assert res.fisher_method in ("exact", "gq")
     assert np.isnan(se["tau"])  # no regular SE at the boundary
     est = res.estimates()
     assert se["mu"] / ref["se"]["mu"] == pytest.approx(1.0, abs=0.2)
