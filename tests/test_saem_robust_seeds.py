@@ -128,7 +128,8 @@ def test_theoph6_pkmodel_exploration_does_not_jump():
     {a: 6.1, mu_*: 0.000, omega_*: 17-33}); the exploration jumped from iteration 9 on.
     With 60 exploration iterations (the fault is in the first 30) the fit now finishes with
     every fixed effect within 0.15 and every omega within a factor 2 of the exact MLE (its
-    SEs: mu ~0.05-0.12 on 6 subjects; the exploration phase is not averaged yet), and no
+    SEs: mu ~0.05-0.12 on 6 subjects; the exploration phase is not averaged yet; omega_KA
+    may instead fall to its boundary, named), and no
     location moved by more than 0.5 between two iterations (an MLE-to-start distance of
     ~1 is covered in a few steps; the fault moved mu_V by 3.05 in one)."""
     pk, data = _theoph6()
@@ -144,8 +145,13 @@ def test_theoph6_pkmodel_exploration_does_not_jump():
     p = {k: float(v) for k, v in res.params.items()}
     for k in ("mu_KA", "mu_V", "mu_CL"):
         assert abs(p[k] - ex[k]) < 0.15, (k, p[k])
-    for k in ("omega_KA", "omega_V", "omega_CL", "a"):
+    for k in ("omega_V", "omega_CL", "a"):
         assert 0.5 < p[k] / ex[k] < 2.0, (k, p[k])
+    # omega_KA (MLE 0.131 on 6 subjects, -2LL only 0.2 higher at 0) lands near its MLE or,
+    # in this 80-iteration run, falls towards 0 (on one CPU it ended at 0.0014, the known
+    # limit of test_theoph6_pkmodel_defaults_over_seeds, which checks the default fit names
+    # it); it must not run off upwards as in the fault
+    assert p["omega_KA"] < 2.0 * ex["omega_KA"], p["omega_KA"]
 
 
 @pytest.mark.slow  # 5 PK fits with the defaults: ~3-5 min on 2 shared cores
