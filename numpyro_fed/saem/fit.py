@@ -101,9 +101,10 @@ def fit_saem(estep, mstep, latents: Callable, score_hess: Callable | None):
     (:func:`~numpyro_fed.saem.model.centring_design`): after each update of
     :math:`\\theta` the chains move by :math:`-M\\,\\Delta\\theta`.
 
-    ``score_hess(theta, z, data, M) -> (g (C, d), H (C, d, d))``: per chain the
-    complete-data score and Hessian (centred: along :math:`z - M(\\theta' - \\theta)`),
-    for the Newton M-step (``None`` when the M-step needs none). The Louis information is
+    ``score_hess(theta, z, data, M) -> (g (C, k), H (C, k, k))``: per chain the
+    complete-data score and Hessian (centred: along :math:`z - M(\\theta' - \\theta)`) in
+    the ``k`` coordinates the M-step reads (its ``score_idx``; all ``d`` by default), for the
+    Newton M-step (``None`` when the M-step needs none). The Louis information is
     computed after the fit, from the draws at the final :math:`\\theta`
     (:meth:`~numpyro_fed.saem.SAEMResult.fisher_information`).
     """
@@ -404,8 +405,12 @@ class SAEM:
         st.builtin = builtin
         need_sh = bool(getattr(mstep, "needs_score", False))
 
+        # the coordinates whose score and Hessian the M-step reads (the SA-Newton ones of the
+        # Gaussian M-step; every one for the plain Newton M-step): a Hessian in those only
+        score_idx = getattr(mstep, "score_idx", None)
+
         def score_hess(theta_u, z, data, M):
-            return centred_score_hess(info, theta_u, z, data[0], data[1], M)
+            return centred_score_hess(info, theta_u, z, data[0], data[1], M, idx=score_idx)
 
         st.step = fit_saem(estep, mstep, st.latents, score_hess if need_sh else None)
         st.programs = {}
