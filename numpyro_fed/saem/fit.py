@@ -462,7 +462,7 @@ class SAEM:
 
         # the coordinates whose score and Hessian the M-step reads (the SA-Newton ones of the
         # Gaussian M-step; every one for the plain Newton M-step): a Hessian in those only
-        score_idx = getattr(mstep, "score_idx", None)  # optional member (MStep.score_idx)
+        score_idx = getattr(mstep, "score_idx", None)  # optional (see MStep)
 
         def score_hess(theta_u, z, data, M):
             return centred_score_hess(info, theta_u, z, data[0], data[1], M, idx=score_idx)
