@@ -153,9 +153,10 @@ def fit_saem(estep: EStep, mstep: MStep, latents: Callable | None = None,
     (:func:`~numpyro_fed.saem.model.centring_design`): after each update of
     :math:`\\theta` the chains move by :math:`-M\\,\\Delta\\theta`.
 
-    ``score_hess(theta, z, data, M) -> (g (C, d), H (C, d, d))``: per chain the
-    complete-data score and Hessian (centred: along :math:`z - M(\\theta' - \\theta)`),
-    for the Newton M-step (``None`` when the M-step needs none). The Louis information is
+    ``score_hess(theta, z, data, M) -> (g (C, k), H (C, k, k))``: per chain the
+    complete-data score and Hessian (centred: along :math:`z - M(\\theta' - \\theta)`) in
+    the ``k`` coordinates the M-step reads (its ``score_idx``; all ``d`` by default), for the
+    Newton M-step (``None`` when the M-step needs none). The Louis information is
     computed after the fit, from the draws at the final :math:`\\theta`
     (:meth:`~numpyro_fed.saem.SAEMResult.fisher_information`).
 
@@ -459,8 +460,12 @@ class SAEM:
         mstep, mstep_reason = self._mstep(info, args, kwargs, rng_key)
         estep = self._estep(info, layout, n_prior, kwargs, bool(args))
 
+        # the coordinates whose score and Hessian the M-step reads (the SA-Newton ones of the
+        # Gaussian M-step; every one for the plain Newton M-step): a Hessian in those only
+        score_idx = getattr(mstep, "score_idx", None)  # optional (see MStep)
+
         def score_hess(theta_u, z, data, M):
-            return centred_score_hess(info, theta_u, z, data[0], data[1], M)
+            return centred_score_hess(info, theta_u, z, data[0], data[1], M, idx=score_idx)
 
         return SAEMProgram(
             info=info, data=(args, kwargs), layout=layout, layout_reason=layout_reason,

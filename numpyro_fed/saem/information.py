@@ -41,6 +41,7 @@ from jax import lax
 
 from numpyro_fed.saem.likelihood import _mvt_logpdf, _student_t, conditional_moments
 from numpyro_fed.saem.model import (
+    FORWARD_HESSIAN_MAX,
     ModelInfo,
     SubjectLayout,
     block_hessian,
@@ -173,8 +174,18 @@ def node_hessian(info: ModelInfo, lay: SubjectLayout, ids, theta_u, nodes, logw,
     bid = jnp.repeat(jnp.arange(B), m)
 
     def one(bk, wk):
-        G = jax.jacfwd(lambda tu: a_of(tu, bk)[0])(theta_u)  # (n, p)
-        Hk = jax.hessian(lambda tu: wk @ a_of(tu, bk)[0])(theta_u)  # (r, p, p)
+        if p <= FORWARD_HESSIAN_MAX:
+            # forward over forward (see score_hessian): every subject's gradient and
+            # Hessian from the p x p second directional derivatives, no reverse pass
+            def grads(tu):
+                v = jax.jacfwd(lambda t: a_of(t, bk)[0])(tu)
+                return v, v
+
+            Hn, G = jax.jacfwd(grads, has_aux=True)(theta_u)  # (n, p, p), (n, p)
+            Hk = jnp.einsum("rn,nij->rij", wk, Hn)  # (r, p, p)
+        else:
+            G = jax.jacfwd(lambda tu: a_of(tu, bk)[0])(theta_u)  # (n, p)
+            Hk = jax.hessian(lambda tu: wk @ a_of(tu, bk)[0])(theta_u)  # (r, p, p)
         m2 = jnp.einsum("rn,ni,nj->rij", wk, G, G)
         return wk[:, :, None] * G[None], Hk + m2
 

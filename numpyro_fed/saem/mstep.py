@@ -44,7 +44,7 @@ from jax import lax, random
 from jax.flatten_util import ravel_pytree
 from numpyro.distributions import constraints
 
-from numpyro_fed.saem.model import ModelInfo, jit_once, merge_data, split_data
+from numpyro_fed.saem.model import ModelInfo, jit_once, merge_data, score_hessian, split_data
 from numpyro_fed.saem.protocols import MStep
 
 __all__ = ["SufficientStatistics", "GaussianMStep", "NewtonMStep", "UserMStep",
@@ -813,6 +813,9 @@ class GaussianMStep(MStep):
                                     for i in params]) if len(params) else np.zeros(0, int))
 
         self.newton_idx_u = u_idx(newton_params)
+        #: the coordinates of the complete-data score and Hessian that :meth:`update` reads
+        #: (computed in those only: a ``k x k`` Hessian, not ``d x d``)
+        self.score_idx = self.newton_idx_u
         # interweaving (non-centred SA-Newton cycle) on the locations and scales of the
         # Gaussian sites and on the Newton parameters
         self.interweave = bool(interweave and (spec.diag_sites or spec.mvn_sites))
@@ -1114,11 +1117,12 @@ class GaussianMStep(MStep):
         gfn = jax.grad(ll)
         x0 = theta_u[idx]
         g = jnp.mean(jax.vmap(lambda zf: gfn(x0, zf))(z), 0)
-        # the Hessian (one JVP of the score per coordinate: the costly part) at one chain,
-        # a different one at each update: it scales the step only (the fixed point is where
-        # the SA-averaged score vanishes), and its SA average runs over the chains
+        # the Hessian (the costly part: forward over forward for a few coordinates,
+        # score_hessian) at one chain, a different one at each update: it scales the step
+        # only (the fixed point is where the SA-averaged score vanishes), and its SA average
+        # runs over the chains
         zc = lax.dynamic_index_in_dim(z, chain % z.shape[0], keepdims=False)
-        H = jax.jacfwd(lambda x: gfn(x, zc))(x0)
+        H = score_hessian(lambda x: ll(x, zc), x0)[1]
         return g, H
 
     def _nc_objective(self, theta_u, z, data, aux: GaussianAux):
@@ -1155,9 +1159,9 @@ class GaussianMStep(MStep):
         nw, nc = state.newton, state.nc
         if self.spec.newton_idx.size:
             idx = jnp.asarray(self.newton_idx_u)
-            sc, he = score_hess
+            sc, he = score_hess  # in the coordinates score_idx = newton_idx_u already
             theta_new, nw = _block_newton(
-                info, nw, idx, gamma, theta_u, theta_new, sc[idx], he[idx][:, idx], self,
+                info, nw, idx, gamma, theta_u, theta_new, sc, he, self,
                 self.newton_annealed, anneal, full=True,
                 objective=_centred_objective(info, theta_u, z, data, aux.M, idx, theta_new))
         # the floor before the interweaving cycle too: its score differentiates the latents'

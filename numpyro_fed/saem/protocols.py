@@ -76,11 +76,15 @@ class MStep(Protocol):
 
     :cvar kind: its name in :attr:`~numpyro_fed.saem.SAEMResult.mstep` and the settings.
     :cvar needs_score: ``update`` receives the chain-averaged complete-data score and
-        Hessian ``(g (d,), H (d, d))`` in the centred coordinates (else ``None``).
+        Hessian ``(g (k,), H (k, k))`` in the centred coordinates (else ``None``).
     :cvar transport: ``None`` (the chains move along the centring design,
         :math:`z - M\\Delta\\theta`), or ``transport(state, zf, theta_old, theta_new, aux)
         -> zf``: how each chain moves when :math:`\\theta` does (the interweaving M-step's
         non-centred path).
+
+    Optional attribute (not a member of the protocol): ``score_idx``, the ``k`` unconstrained
+    coordinates of :math:`\\theta` whose score and Hessian ``update`` reads (an int array;
+    the Hessian is then computed in those coordinates only); without it, all ``d``.
     """
 
     kind: str
