@@ -120,35 +120,30 @@ _ESTEP_MEMBERS = ("init", "step", "latents", "move", "step_size_summary")
 _MSTEP_MEMBERS = ("kind", "needs_score", "transport", "prepare", "init", "update", "describe")
 
 
-def _missing(obj: Any, members: tuple[str, ...]) -> list[str]:
-    return [m for m in members if not hasattr(obj, m)]
+def _require(obj: Any, members: tuple[str, ...], what: str, kind: str, protocol: str,
+             optional: str) -> None:
+    """A :class:`TypeError` naming the ``members`` that ``obj`` lacks, if any."""
+    missing = [m for m in members if not hasattr(obj, m)]
+    if missing:
+        raise TypeError(
+            f"`{what}`: {type(obj).__name__} is not an {kind}: it lacks "
+            + ", ".join(f"`{m}`" for m in missing)
+            + f" (see numpyro_fed.saem.protocols.{protocol}; subclass it for the defaults of "
+            f"{optional})."
+        )
 
 
 def check_estep(obj: Any, what: str = "kernel") -> EStep:
     """``obj`` if it implements :class:`EStep`, else a :class:`TypeError` naming the
     members it lacks."""
-    missing = _missing(obj, _ESTEP_MEMBERS)
-    if missing:
-        raise TypeError(
-            f"`{what}`: {type(obj).__name__} is not an E-step: it lacks "
-            + ", ".join(f"`{m}`" for m in missing)
-            + " (see numpyro_fed.saem.protocols.EStep; subclass it for the defaults of "
-            "`move` and `step_size_summary`)."
-        )
+    _require(obj, _ESTEP_MEMBERS, what, "E-step", "EStep", "`move` and `step_size_summary`")
     return obj
 
 
 def check_mstep(obj: Any, what: str = "mstep") -> MStep:
     """``obj`` if it implements :class:`MStep`, else a :class:`TypeError` naming the
     members it lacks."""
-    missing = _missing(obj, _MSTEP_MEMBERS)
-    if missing:
-        raise TypeError(
-            f"`{what}`: {type(obj).__name__} is not an M-step: it lacks "
-            + ", ".join(f"`{m}`" for m in missing)
-            + " (see numpyro_fed.saem.protocols.MStep; subclass it for the defaults of "
-            "`transport` and `describe`)."
-        )
+    _require(obj, _MSTEP_MEMBERS, what, "M-step", "MStep", "`transport` and `describe`")
     if not isinstance(obj.kind, str) or not isinstance(obj.needs_score, bool):
         raise TypeError(
             f"`{what}`: {type(obj).__name__}.kind must be a str and .needs_score a bool, got "
