@@ -279,3 +279,22 @@ def test_cached_mcmc_second_run_compiles_nothing_other_kernels(kind):
         mcmc.run(random.key(1))
         mcmc.get_samples()
     assert c.names == []
+
+
+def test_cpu_tuned_compiler_options_are_dropped_on_other_backends():
+    """The library's XLA options are tuned for XLA:CPU; a GPU compiler rejects
+    ``xla_cpu_*`` options ("No such compile option", seen with jax 0.11 on an H200: every
+    SAEM and CachedMCMC program failed to compile there), so they apply on the CPU only."""
+    from numpyro_fed._programs import platform_options
+    from numpyro_fed.saem.model import LOOP_COMPILER_OPTIONS, ONCE_COMPILER_OPTIONS
+
+    for opts in (LOOP_COMPILER_OPTIONS, ONCE_COMPILER_OPTIONS):
+        assert platform_options(opts, "cpu") == opts
+        assert platform_options(opts, "gpu") == {}
+        assert platform_options(opts, "tpu") == {}
+    other = {"xla_gpu_autotune_level": 0}
+    assert platform_options({**other, **LOOP_COMPILER_OPTIONS}, "gpu") == other
+    assert platform_options(None) == {}
+    # on this (CPU) machine the default backend keeps them
+    assert platform_options(LOOP_COMPILER_OPTIONS) == (
+        LOOP_COMPILER_OPTIONS if jax.default_backend() == "cpu" else {})

@@ -307,7 +307,8 @@ def _unhandled_message(model, args, kwargs, key, values, traced, names, err,
 #: XLA:CPU's fusion emitters (``xla_cpu_use_fusion_emitters``, on by default) generate each
 #: fusion through MLIR; the classic emitters compile the SAEM programs 1.5-2.5x faster and run
 #: them as fast (measured on Theophylline, 2-core CPU: loop 5.5 -> 3.6 s to compile, 0.49 vs
-#: 0.47 s to run; initial state 2.0 -> 0.8 s). Ignored by the other backends.
+#: 0.47 s to run; initial state 2.0 -> 0.8 s). Dropped on the other backends
+#: (:func:`numpyro_fed._programs.platform_options`: a GPU compiler rejects it).
 _FAST_CODEGEN = {"xla_cpu_use_fusion_emitters": False}
 #: XLA options of the programs that run once per model structure (introspection, the
 #: initial state): compiled for compile speed (no LLVM optimisation; 2-3x faster to compile,
