@@ -94,6 +94,14 @@ class NLMEFit:
         res, pk = self.result, self.pk
         est = res.estimates()
         df = res.parameter_table(scale=scale, standard_errors=standard_errors)
+        # the residual error parameters as written whatever the M-step (with uncensored data
+        # an additive error's sd is the closed-form Gaussian residual scale, which SAEMResult
+        # reports as a variance): the same rows with and without censored observations
+        err = [k for k in pk.error.param_names if f"{k}^2" in df.index]
+        if err:
+            sd = res.parameter_table(scale="sd", standard_errors=standard_errors)
+            df = df.rename(index={f"{k}^2": k for k in err})
+            df.loc[err] = sd.loc[err, df.columns].to_numpy()
         df = df[["estimate", "se", "rse_%"]].copy()
         df["cv_%"] = np.nan
         Om = self.omega()

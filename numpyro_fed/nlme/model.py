@@ -59,7 +59,7 @@ from numpyro.distributions import constraints
 
 from numpyro_fed.nlme.data import Doses, PKDataset
 from numpyro_fed.nlme.diagnostics import NLMEFit
-from numpyro_fed.nlme.error import ErrorModel
+from numpyro_fed.nlme.error import ErrorModel, _concrete
 from numpyro_fed.nlme.superposition import (
     predict_pairs,
     superposition_pairs,
@@ -124,6 +124,11 @@ class Binding:
     :ivar tv_steady_state: with ``time_varying``: whether a dose is at steady state.
     :ivar occasions: with inter-occasion variability (``PKModel(iov=...)``): the number of
         occasions over all subjects (the size of the plate ``occasion``); 0 without.
+    :ivar censored: whether an observation is below its limit of quantification (M3
+        likelihood); without, the observations are the error model's plain distribution (the
+        same density: the censored one has ``cens = False`` everywhere), whose programs are
+        smaller and faster (no normal CDF and its derivatives). ``True`` (always exact) when
+        unbound.
     :ivar data: the dataset (not compared; for the messages naming its rows).
     """
 
@@ -136,6 +141,7 @@ class Binding:
     tv_infusions: bool = False
     tv_steady_state: bool = False
     occasions: int = 0
+    censored: bool = True
     data: Any = field(default=None, compare=False, repr=False)
 
     @property
@@ -671,7 +677,9 @@ class PKModel:
                        record_order=predose, obs_cmt=obs_cmt, time_varying=tv,
                        tv_infusions=pw and bool(np.any(rm & (np.asarray(d.rate) > 0))),
                        tv_steady_state=pw and bool(np.any(rm & np.asarray(d.ss, bool))),
-                       occasions=n_occ, data=data)
+                       occasions=n_occ,
+                       censored=bool(np.any(np.asarray(o.cens, bool) & np.asarray(o.mask, bool))),
+                       data=data)
 
     def arrays(self, data: PKDataset) -> dict[str, Any]:
         """The keyword arguments of :meth:`model` for ``data``: padded subject arrays, and
@@ -955,6 +963,15 @@ class PKModel:
                   if b.piecewise else None)
             f = self.predict(self.individual(phi), obs_time, doses, doses_before, binding=b,
                              obs_cmt=obs_cmt, at_records=at, pairs=pairs)
+            if not b.censored and cens is not None:
+                c, m = _concrete(cens), _concrete(obs_mask)
+                if c is not None and np.any(c.astype(bool) & (True if m is None
+                                                              else m.astype(bool))):
+                    raise ValueError(
+                        "PKModel.model: `cens` marks observations below the LLOQ but the "
+                        "binding is of data without any: call pk.model(**pk.arrays(data)) with "
+                        "the arrays and binding of the same data.")
+                cens = lloq = None  # no censored observation: the plain density
             try:
                 d = self.error.dist(f, errp, cens=cens, lloq=lloq)
             except ValueError:

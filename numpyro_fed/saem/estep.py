@@ -48,6 +48,7 @@ from numpyro_fed.saem.model import (
     ModelInfo,
     SubjectLayout,
     block_hessian,
+    block_jet,
     from_blocks,
     log_joint_per_subject,
     pad_mask,
@@ -217,13 +218,18 @@ class LangevinEStep(EStep):
             return -log_joint_per_subject(info, layout, theta_c, q, args, kwargs, ids=ids)[0]
 
         if self.forward:
-            def gradU(zf):
-                return self._forward_value_grad(U_sub, zf)[1]
+            def value_grad(zf):
+                return self._forward_value_grad(U_sub, zf)
         else:
-            def gradU(zf):
-                return jax.grad(lambda q: jnp.sum(U_sub(q)))(zf)
+            def value_grad(zf):
+                u, vjp = jax.vjp(U_sub, zf)
+                return u, vjp(jnp.ones_like(u))[0]
+
+        def gradU(zf):
+            return value_grad(zf)[1]
 
         gradU.per_subject = U_sub
+        gradU.value_grad = value_grad
         return gradU
 
     def _inv_curvature(self, key, gradU, pts):
@@ -257,9 +263,9 @@ class LangevinEStep(EStep):
     def _track(self, key, state, z, theta_c, data, ids):
         """One damped Newton step of each subject's conditional mode (warm-started at the
         previous one; a backtracking search keeps the best of 4 step lengths per subject)
-        and the metric there: a function of :math:`\\theta` and of the previous modes, not of
-        the chains' positions. Diagonal blocks: the metric at the chains' positions, averaged
-        with the previous one."""
+        and the metric at the mode it started from: a function of :math:`\\theta` and of the
+        previous modes, not of the chains' positions. Diagonal blocks: the metric at the
+        chains' positions, averaged with the previous one."""
         gradU = self._gradU(theta_c, data, ids)
         dt = z.dtype
         if not self.full:
@@ -267,14 +273,14 @@ class LangevinEStep(EStep):
             return jnp.mean(z, 0), 0.7 * state.cov + 0.3 * m
         U_sub = gradU.per_subject
         mode = state.mean
-        g = self.to_blocks(gradU(mode))
-        H = block_hessian(gradU, mode, self.layout)
+        # the value, gradient and curvature at the tracked mode from one program site
+        u0, g, H = block_jet(gradU.value_grad, mode, self.layout)
+        g = self.to_blocks(g)
         lam, V = jnp.linalg.eigh(H)
         lam = jnp.abs(lam)
         lam = jnp.maximum(lam, 1e-6 * jnp.max(lam, -1, keepdims=True) + 1e-30)
         step = -jnp.einsum("nij,nj->ni", V, jnp.einsum("nji,nj->ni", V, g) / lam)
         step = jnp.where(jnp.isfinite(step), step, 0.0)
-        u0 = U_sub(mode)
 
         def try_scale(carry, sc):
             best, best_u = carry
@@ -286,7 +292,11 @@ class LangevinEStep(EStep):
 
         (mode_new, _), _ = lax.scan(try_scale, (mode, u0), jnp.asarray([1.0, 0.5, 0.25, 0.1],
                                                                          dt))
-        cov = self._inv_curvature(key, gradU, mode_new[None])
+        # the metric: the inverse curvature at the mode the Newton step started from (the
+        # curvature at the new mode would be another copy of the model's second derivatives
+        # in the program; the modes converge, and the metric follows one E-step behind)
+        lam = jnp.where(jnp.isfinite(lam), lam, 1.0)
+        cov = jnp.einsum("nij,nj,nkj->nik", V, 1.0 / lam, V).astype(dt)
         ok = jnp.all(jnp.isfinite(cov), (-2, -1))[:, None, None]
         return mode_new, jnp.where(ok, cov, state.cov)
 
@@ -329,40 +339,41 @@ class LangevinEStep(EStep):
             log_h = state.log_step
             p = jnp.ones(info.dim_z, dt) if self.P is None else self.P(theta_u).astype(dt)
             L = self.to_blocks(jnp.sqrt(p))
-        if pad:
-            u, g, gp = vg(self.from_blocks(zb), zb)
-            gb = self.to_blocks(g) + gp
-        else:
-            u, g = vg(z)
-            gb = self.to_blocks(g)
         pre = block_preconditioner(L, self.full)
 
-        def body(i, carry):
-            zb, u, gb, log_h, acc_sum = carry
-            kn, ka = random.split(random.fold_in(k_mcmc, i))
-            h = jnp.exp(log_h)[None, :, None]
-            xi = langevin_noise(kn, zb)
-            yb = langevin_proposal(zb, gb, h, xi, pre)
+        def evaluate(yb):
             if pad:
                 uy, gy, gpy = vg(self.from_blocks(yb), yb)
-                gyb = self.to_blocks(gy) + gpy
-            else:
-                uy, gy = vg(self.from_blocks(yb))
-                gyb = self.to_blocks(gy)
+                return uy, self.to_blocks(gy) + gpy
+            uy, gy = vg(self.from_blocks(yb))
+            return uy, self.to_blocks(gy)
+
+        # step 0 evaluates U and its gradient at the current chains (the state of the first
+        # move); steps 1..num_steps are the moves. One evaluation site in the program, not two
+        # (each is a copy of the model's log-density and its derivatives to compile)
+        def body(i, carry):
+            zb, u, gb, log_h, acc_sum = carry
+            first = i == 0
+            kn, ka = random.split(random.fold_in(k_mcmc, i - 1))
+            h = jnp.exp(log_h)[None, :, None]
+            xi = langevin_noise(kn, zb)
+            yb = jnp.where(first, zb, langevin_proposal(zb, gb, h, xi, pre))
+            uy, gyb = evaluate(yb)
             # whitened residuals (see mala_log_ratio): r_fwd = sqrt(2h) xi exactly
             fwd = jnp.sqrt(2.0 * h) * xi
             bwd = -fwd + h * pre.mul_Lt(gb + gyb)
             lr = mala_log_ratio(u, uy, jnp.sum(fwd**2, -1), jnp.sum(bwd**2, -1), h[..., 0])
             acc = jnp.exp(jnp.minimum(lr, 0.0))  # (C, n)
             if self.mala:
-                ok = random.uniform(ka, acc.shape, dt) < acc
+                ok = (random.uniform(ka, acc.shape, dt) < acc) | first
                 yb = jnp.where(ok[..., None], yb, zb)
                 uy = jnp.where(ok, uy, u)
                 gyb = jnp.where(ok[..., None], gyb, gb)
-            return yb, uy, gyb, log_h, acc_sum + jnp.mean(acc)
+            return yb, uy, gyb, log_h, acc_sum + jnp.where(first, 0.0, jnp.mean(acc))
 
+        zeros = jnp.zeros(zb.shape[:-1], dt)
         zb, u, gb, log_h, acc_sum = lax.fori_loop(
-            0, num_steps, body, (zb, u, gb, log_h, jnp.zeros((), dt)))
+            0, num_steps + 1, body, (zb, zeros, jnp.zeros_like(zb), log_h, jnp.zeros((), dt)))
         z = self.from_blocks(zb)
         finite = jnp.all(jnp.isfinite(u)) & jnp.all(jnp.isfinite(z))
         acc = acc_sum / jnp.maximum(num_steps, 1).astype(dt)
@@ -411,17 +422,26 @@ class LangevinEStep(EStep):
         args, kwargs = data
         loglik = self._loglik(theta_c, data, ids)
 
-        def body(i, zz):
-            kd, ku = random.split(random.fold_in(key, i))
+        # step 0 evaluates the current chains' likelihood (carried: a rejected proposal keeps
+        # it), steps 1..n_prior propose: one evaluation site in the program, n_prior + 1
+        # evaluations rather than 2 n_prior
+        def body(i, carry):
+            zz, ll_z = carry
+            first = i == 0
+            kd, ku = random.split(random.fold_in(key, i - 1))
             y = jax.vmap(lambda k: info.prior_draw(k, theta_c, args, kwargs))(
                 random.split(kd, zz.shape[0]))
-            lr = loglik(y) - loglik(zz)  # (C, n)
+            y = jnp.where(first, zz, y)
+            ll_y = loglik(y)
+            lr = ll_y - ll_z  # (C, n)
             lr = jnp.where(jnp.isnan(lr), -jnp.inf, lr)
-            ok = jnp.log(random.uniform(ku, lr.shape, zz.dtype)) < lr
+            ok = (jnp.log(random.uniform(ku, lr.shape, zz.dtype)) < lr) | first
             yb, zb = self.to_blocks(y), self.to_blocks(zz)
-            return self.from_blocks(jnp.where(ok[..., None], yb, zb))
+            return (self.from_blocks(jnp.where(ok[..., None], yb, zb)),
+                    jnp.where(ok, ll_y, ll_z))
 
-        return lax.fori_loop(0, self.n_prior, body, z)
+        ll0 = jnp.zeros(self.to_blocks(z).shape[:-1], z.dtype)
+        return lax.fori_loop(0, self.n_prior + 1, body, (z, ll0))[0]
 
     def latents(self, state: LangevinEStepState) -> jax.Array:
         """The chains' latents ``(C, d_z)``."""

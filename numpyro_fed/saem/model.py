@@ -35,7 +35,7 @@ from numpyro_fed import _programs
 
 __all__ = ["ModelInfo", "StaticData", "SubjectLayout", "subject_layout", "group_layout",
            "log_joint_per_subject", "split_data", "merge_data", "static_as_numpy",
-           "find_static_data", "block_hessian", "pad_mask", "pad_log_density"]
+           "find_static_data", "block_hessian", "block_jet", "pad_mask", "pad_log_density"]
 
 
 # ------------------------------------------------------------------------------ data
@@ -1241,20 +1241,29 @@ def block_hessian(grad_fn, z, lay):
     diagonal over subjects: ``q`` Hessian-vector products, one per coordinate of every
     subject at once. Padded entries (:func:`pad_mask`) get the curvature 1 of their standard
     normal pseudo-density (``grad_fn`` is the gradient of a negative log-density)."""
+    return block_jet(lambda x: (jnp.zeros(()), grad_fn(x)), z, lay)[2]
+
+
+def block_jet(value_grad_fn, z, lay):
+    """``(value, gradient, Hessian blocks (n, q, q))`` at ``z`` of a function whose Hessian is
+    block diagonal over subjects, from one program site: ``value_grad_fn(z) -> (value,
+    gradient (d_z,))`` differentiated forward along the ``q`` block coordinates (the value
+    and gradient are the primal outputs of those JVPs). Padded entries as
+    :func:`block_hessian`."""
     n, q = np.shape(lay.zidx)
 
     def col(e_k):
         e = from_blocks(jnp.broadcast_to(e_k, (n, q)), lay.zidx)
-        hv = jax.jvp(grad_fn, (z,), (e,))[1]
-        return to_blocks(hv, lay.zidx)  # (n, q): column k of each block
+        (v, g), (_, hv) = jax.jvp(value_grad_fn, (z,), (e,))
+        return v, g, to_blocks(hv, lay.zidx)  # (n, q): column k of each block
 
-    cols = jax.vmap(col)(jnp.eye(q, dtype=z.dtype))  # (q, n, q)
+    v, g, cols = jax.vmap(col, out_axes=(None, None, 0))(jnp.eye(q, dtype=z.dtype))
     H = jnp.transpose(cols, (1, 2, 0))
     H = (H + jnp.swapaxes(H, -1, -2)) / 2.0
     mask = pad_mask(lay.zidx)
     if mask.any():
         H = H + jnp.asarray(mask, H.dtype)[..., None] * jnp.eye(q, dtype=H.dtype)
-    return H
+    return v, g, H
 
 
 def centring_design(info: ModelInfo, layout: SubjectLayout, theta_u, z_u_flat, args, kwargs,

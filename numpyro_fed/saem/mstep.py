@@ -44,7 +44,14 @@ from jax import lax, random
 from jax.flatten_util import ravel_pytree
 from numpyro.distributions import constraints
 
-from numpyro_fed.saem.model import ModelInfo, jit_once, merge_data, score_hessian, split_data
+from numpyro_fed.saem.model import (
+    FORWARD_HESSIAN_MAX,
+    ModelInfo,
+    jit_once,
+    merge_data,
+    score_hessian,
+    split_data,
+)
 from numpyro_fed.saem.protocols import MStep
 
 __all__ = ["SufficientStatistics", "GaussianMStep", "NewtonMStep", "UserMStep",
@@ -584,25 +591,29 @@ def _backtrack(objective, x0, step, g, active):
         return step
 
     def search(_):
-        f0 = objective(x0)
         slope = jnp.vdot(g, step)
 
+        # j = -1 evaluates the start (f0), j = 0, 1, ... the halvings: one evaluation site of
+        # the objective in the program
         def cond(c):
             return ~c[1] & (c[2] <= LINE_SEARCH_HALVINGS)
 
         def body(c):
-            j = c[2]
-            a = jnp.asarray(0.5, step.dtype) ** j
+            _, _, j, f0 = c
+            start = j < 0
+            a = jnp.where(start, 0.0, jnp.asarray(0.5, step.dtype) ** j).astype(step.dtype)
             v = objective(x0 + a * step)
+            f0 = jnp.where(start, v, f0)
             # a step to where the model is not finite is taken: a declared constraint keeps
             # theta in its domain, so this is a model not defined on the domain its params
             # declare (e.g. a variance without constraints.positive), which the fit reports
             # by name at the failing iteration; refusing the step would hide it
-            ok = ~jnp.isfinite(v) | (v >= f0 + 1e-4 * a * slope)
-            return jnp.where(ok, a, 0.0).astype(step.dtype), ok, j + 1
+            ok = ~start & (~jnp.isfinite(v) | (v >= f0 + 1e-4 * a * slope))
+            return jnp.where(ok, a, 0.0).astype(step.dtype), ok, j + 1, f0
 
-        a, _, _ = lax.while_loop(cond, body, (jnp.zeros((), step.dtype), jnp.zeros((), bool),
-                                              jnp.zeros((), jnp.int32)))
+        zero = jnp.zeros((), step.dtype)
+        a, _, _, f0 = lax.while_loop(cond, body, (zero, jnp.zeros((), bool),
+                                                  -jnp.ones((), jnp.int32), zero))
         # a non-finite objective at the start (a model not finite at these draws): no test
         return jnp.where(jnp.isfinite(f0), a, 1.0) * step
 
@@ -1114,7 +1125,9 @@ class GaussianMStep(MStep):
             z2, lj = self._nc_path(t, theta_u, zf, aux)
             return info.log_joint(t, z2, args, kwargs) + lj
 
-        gfn = jax.grad(ll)
+        # forward mode for a few coordinates (the reverse pass of a sparse-superposition PK
+        # model is slow on XLA:CPU; see FORWARD_HESSIAN_MAX)
+        gfn = jax.jacfwd(ll) if idx.shape[0] <= FORWARD_HESSIAN_MAX else jax.grad(ll)
         x0 = theta_u[idx]
         g = jnp.mean(jax.vmap(lambda zf: gfn(x0, zf))(z), 0)
         # the Hessian (the costly part: forward over forward for a few coordinates,
