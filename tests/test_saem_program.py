@@ -14,6 +14,7 @@ protocols, and failures as typed results decoded to named errors.
 import dataclasses
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -212,3 +213,38 @@ def test_mstep_failure_in_the_loop_names_the_mstep():
     with pytest.raises(DivergenceError, match=r"M-step gave a non-finite theta at iteration "
                                               r"0.*the nan M-step"):
         saem.run(random.key(0), y=Y)
+
+
+@pytest.mark.parametrize("zidx", [np.arange(6).reshape(3, 2),  # rows: subject-major
+                                  np.arange(6).reshape(2, 3).T,  # columns: site-major
+                                  np.array([[0, 1], [2, -1], [3, 4]])])  # unequal groups
+def test_block_jet_is_the_value_gradient_and_block_hessian(zidx):
+    """``block_jet`` (the E-step's mode tracker: one program site for the value, gradient and
+    curvature) gives the function's value and gradient and the diagonal blocks of its dense
+    Hessian (padded entries: curvature 1), as ``block_hessian`` does."""
+    from numpyro_fed.saem.model import SubjectLayout, block_hessian, block_jet, to_blocks
+
+    lay = SubjectLayout(plate="s", n=zidx.shape[0], q=zidx.shape[1], zidx=zidx, site_ids=())
+    d = int(zidx.max()) + 1
+    rng = np.random.default_rng(0)
+    A = jnp.asarray(rng.normal(size=(d,)))
+    blocks = [jnp.asarray(r[r >= 0]) for r in zidx]
+
+    def f(z):  # separable over subjects: each block's log-sum-exp plus a cubic
+        return sum(jax.nn.logsumexp(z[b] * A[b]) + jnp.sum(z[b] ** 3) / 6 for b in blocks)
+
+    def value_grad(z):
+        return f(z), jax.grad(f)(z)
+
+    z = jnp.asarray(rng.normal(size=(d,)))
+    v, g, H = block_jet(value_grad, z, lay)
+    np.testing.assert_allclose(v, f(z), rtol=1e-6)
+    np.testing.assert_allclose(g, jax.grad(f)(z), rtol=1e-5, atol=1e-6)
+    dense = jax.hessian(f)(z)
+    for i, r in enumerate(zidx):
+        for a, ia in enumerate(r):
+            for b, ib in enumerate(r):
+                want = (dense[ia, ib] if ia >= 0 and ib >= 0 else float(a == b))
+                np.testing.assert_allclose(H[i, a, b], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(block_hessian(jax.grad(f), z, lay), H, rtol=1e-6, atol=1e-7)
+    assert to_blocks(g, zidx).shape == zidx.shape
