@@ -73,6 +73,20 @@ FULL_PRECONDITIONER_MAX = 16
 FORWARD_GRADIENT_MAX = 3
 
 
+def _abs_eigh(H):
+    """Eigen-decomposition of the blocks ``H`` ``(n, q, q)`` with the eigenvalues replaced by
+    their absolute values, floored at 1e-6 of each block's largest (saddle-free)."""
+    lam, V = jnp.linalg.eigh(H)
+    lam = jnp.abs(lam)
+    return jnp.maximum(lam, 1e-6 * jnp.max(lam, -1, keepdims=True) + 1e-30), V
+
+
+def _inverse(lam, V, dt):
+    """The blocks ``V diag(1 / lam) V^T`` (a non-finite eigenvalue counted as 1)."""
+    lam = jnp.where(jnp.isfinite(lam), lam, 1.0)
+    return jnp.einsum("nij,nj,nkj->nik", V, 1.0 / lam, V).astype(dt)
+
+
 class LangevinEStepState(NamedTuple):
     """State of :class:`LangevinEStep`.
 
@@ -243,11 +257,7 @@ class LangevinEStep(EStep):
         dt = pts.dtype
         if self.full:
             H = jnp.mean(jax.vmap(lambda zf: block_hessian(gradU, zf, layout))(pts), 0)
-            lam, V = jnp.linalg.eigh(H)
-            lam = jnp.abs(lam)
-            lam = jnp.maximum(lam, 1e-6 * jnp.max(lam, -1, keepdims=True) + 1e-30)
-            lam = jnp.where(jnp.isfinite(lam), lam, 1.0)
-            return jnp.einsum("nij,nj,nkj->nik", V, 1.0 / lam, V).astype(dt)
+            return _inverse(*_abs_eigh(H), dt)
         v = random.rademacher(key, (8,) + pts.shape, dt)
 
         def hd(zf, vv):
@@ -276,9 +286,7 @@ class LangevinEStep(EStep):
         # the value, gradient and curvature at the tracked mode from one program site
         u0, g, H = block_jet(gradU.value_grad, mode, self.layout)
         g = self.to_blocks(g)
-        lam, V = jnp.linalg.eigh(H)
-        lam = jnp.abs(lam)
-        lam = jnp.maximum(lam, 1e-6 * jnp.max(lam, -1, keepdims=True) + 1e-30)
+        lam, V = _abs_eigh(H)
         step = -jnp.einsum("nij,nj->ni", V, jnp.einsum("nji,nj->ni", V, g) / lam)
         step = jnp.where(jnp.isfinite(step), step, 0.0)
 
@@ -297,8 +305,7 @@ class LangevinEStep(EStep):
         # the metric: the inverse curvature at the mode the Newton step started from (the
         # curvature at the new mode would be another copy of the model's second derivatives
         # in the program; the modes converge, and the metric follows one E-step behind)
-        lam = jnp.where(jnp.isfinite(lam), lam, 1.0)
-        cov = jnp.einsum("nij,nj,nkj->nik", V, 1.0 / lam, V).astype(dt)
+        cov = _inverse(lam, V, dt)
         ok = jnp.all(jnp.isfinite(cov), (-2, -1))[:, None, None]
         return mode_new, jnp.where(ok, cov, state.cov)
 
