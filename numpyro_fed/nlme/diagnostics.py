@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import random
 
+from numpyro_fed._programs import Program
 from numpyro_fed._validation import check_int
 from numpyro_fed.nlme.data import Doses, PKDataset
 from numpyro_fed.nlme.transforms import TRANSFORMS
@@ -356,14 +357,19 @@ class NLMEFit:
         """Predictions from transformed parameters ``phi`` ``{name: (n,)}`` at the
         observations, or at ``times`` ``(n, G)`` (a grid: the observed compartment);
         ``kappa``: occasion effects (:meth:`occasion_effects`; default 0)."""
-        t = jnp.asarray(arrays["obs_time"] if times is None else times)
+        t = np.asarray(arrays["obs_time"] if times is None else times)
         nb = arrays["doses_before"] if times is None else None
         cmt = arrays.get("obs_cmt") if times is None else None  # a grid: the observed one
-        at = self._at_records(phi, arrays, times, kappa)
-        indiv = self.pk.individual({k: jnp.asarray(v) for k, v in phi.items()})
-        return np.asarray(self.pk.predict(indiv, t, _doses(arrays), nb,
-                                          binding=arrays.get("binding"), obs_cmt=cmt,
-                                          at_records=at))
+
+        def predict(phi, kappa):
+            at = self._at_records(phi, arrays, times, kappa)
+            return self.pk.predict(self.pk.individual(phi), jnp.asarray(t), _doses(arrays),
+                                   nb, binding=arrays.get("binding"), obs_cmt=cmt,
+                                   at_records=at)
+
+        return np.asarray(_run(predict, {k: jnp.asarray(v) for k, v in phi.items()},
+                               None if kappa is None else
+                               {k: jnp.asarray(v) for k, v in kappa.items()}))
 
     def cwres(self) -> np.ndarray:
         """Conditional weighted residuals ``(n, T)`` (FOCE-I linearisation at the EBEs, see
@@ -392,7 +398,7 @@ class NLMEFit:
             g = pk.error.scale(jnp.exp(f) if log_scale else f, self._error_params())
             return f, jnp.stack(cols, -1), g
 
-        f, J, g = (np.asarray(x, np.float64) for x in jax.jit(lin)(eta))
+        f, J, g = (np.asarray(x, np.float64) for x in _run(lin, eta))
         eta = np.asarray(eta, np.float64)
         y = np.asarray(a["dv"], np.float64)
         ok = np.asarray(a["obs_mask"], bool) & ~np.asarray(a["cens"], bool)
@@ -496,10 +502,25 @@ class NLMEFit:
                               obs_cmt=arrays.get("obs_cmt"),
                               at_records=self._at_records(phi, arrays, kappa=kp or None))
 
-        f = jax.jit(jax.vmap(one))(jnp.asarray(eta, t.dtype),
-                                   {m: jnp.asarray(v, t.dtype) for m, v in kap.items()})
-        y = pk.error.sample(k_eps, f, self._error_params())
-        return {"f": np.asarray(f), "dv": np.asarray(y),
+        def replicates(e, kp, key, err):
+            f = jax.vmap(one)(e, kp)
+            return f, pk.error.sample(key, f, err)
+
+        # SIM_CHUNK replicates per call of one program (bounded memory; the NPDE's and the
+        # VPC's simulations share it); the last chunk padded with copies of its first row
+        C = min(R, SIM_CHUNK)
+        eta = np.asarray(eta, t.dtype)  # sliced on the host (no program per slice)
+        kap = {m: np.asarray(v, t.dtype) for m, v in kap.items()}
+        err = self._error_params()
+        fs, ys = [], []
+        for c, lo in enumerate(range(0, R, C)):
+            sel = np.minimum(np.arange(lo, lo + C), R - 1)
+            f, y = _run(replicates, eta[sel], {m: v[sel] for m, v in kap.items()},
+                        random.fold_in(k_eps, c), err)
+            keep = min(C, R - lo)
+            fs.append(np.asarray(f)[:keep])
+            ys.append(np.asarray(y)[:keep])
+        return {"f": np.concatenate(fs), "dv": np.concatenate(ys),
                 "mask": np.asarray(arrays["obs_mask"], bool)}
 
     def npde(self, rng_key: jax.Array, num_sims: int = 1000, *, subjects=None,
@@ -515,7 +536,7 @@ class NLMEFit:
         """
         self.subject_positions(subjects, positions)  # check the selection first
         import pandas as pd
-        from jax.scipy.special import ndtri
+        from scipy.special import ndtri
 
         if num_sims < 50:
             raise ValueError(f"num_sims={num_sims}: NPDE needs at least 50 simulations "
@@ -539,7 +560,7 @@ class NLMEFit:
             ystar, sstar = W @ (Y - E), (S - E) @ W.T
             pde = (sstar < ystar).mean(0)
             pde = np.clip(pde, 1 / (2 * K), 1 - 1 / (2 * K))
-            out[i, j] = np.asarray(ndtri(jnp.asarray(pde)))
+            out[i, j] = ndtri(pde)  # host side (one shape per subject: no program each)
         out = np.where(np.asarray(a["cens"], bool), np.nan, out)
         ids = np.broadcast_to(np.asarray(self.data.ids)[:, None], m.shape)
         df = pd.DataFrame({"ID": ids[m], "TIME": np.asarray(a["obs_time"])[m],
@@ -743,6 +764,21 @@ class NLMEFit:
         ax.set_title("VPC (bands: 90% PI of simulated percentiles)")
         fig.tight_layout()
         return _save(fig, path)
+
+
+#: replicates simulated together (:meth:`NLMEFit.simulate`): the superposition of every
+#: dose before every sample is ``(replicates, n, T, doses)`` at once
+SIM_CHUNK = 100
+
+
+def _run(fn, *args):
+    """``fn(*args)`` as one compiled program, cached by content (:class:`~numpyro_fed.
+    _programs.Program`): the predictions, the linearisation of CWRES and the simulations of
+    the diagnostics and plots of one fit reuse one executable per design and shape (the same
+    program for PRED and IPRED, for ``predictions()`` called by ``plot_goodness_of_fit``)
+    rather than dispatching the dose superposition one operation at a time or compiling a
+    new :func:`jax.jit` closure on every call."""
+    return Program(fn, tag="nlme-diagnostics")(*args)
 
 
 def _take(params: dict, idx) -> dict:
