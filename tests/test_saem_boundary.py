@@ -73,9 +73,9 @@ def test_singular_coords_near_the_floor_after_reaching_it():
     """A variance whose MLE is 0 is held near its floor only up to the interweaving cycle's
     Monte Carlo noise (sd ~ sqrt(gamma_k)): Dyestuff2's tau came within 1e-5..6e-5 of its
     largest value and then ended at 2.6e-3..1.2e-2 of it (seeds 0, 2, 3), unflagged. A
-    coordinate that came within BOUNDARY_RATIO of its bound and stays within
-    BOUNDARY_SETTLED_RATIO (0.032) is singular; one that wanders there without ever coming
-    that close, or that comes back from the floor, is not."""
+    coordinate that came within BOUNDARY_RATIO of its bound and whose last quarter's median
+    stays within BOUNDARY_SETTLED_RATIO (0.032) is singular; one that wanders there without
+    ever coming that close, or that comes back from the floor, is not."""
     from numpyro_fed.saem.result import singular_coords
 
     rng = np.random.default_rng(0)
@@ -92,6 +92,16 @@ def test_singular_coords_near_the_floor_after_reaching_it():
     assert singular_coords(info, rows, th0) == []
     # the tail above BOUNDARY_SETTLED_RATIO (5% of the largest): not singular
     info, rows, th0 = _omega_trajectory(np.r_[head, np.full(300, 0.25)])
+    assert singular_coords(info, rows, th0) == []
+    # the settled level is the tail's median: Dyestuff2 seed 3 (this session's tree) had
+    # its tail's median at 0.010 of the largest and single iterates up to 0.033, just above
+    # BOUNDARY_SETTLED_RATIO; a few such iterates do not unflag a fit at the floor
+    spiky = noisy.copy()
+    spiky[-20::7] = 5.0 * 0.034
+    info, rows, th0 = _omega_trajectory(np.r_[head, spiky])
+    assert singular_coords(info, rows, th0) == [j]
+    # ... but a tail whose median is above it is not at the floor
+    info, rows, th0 = _omega_trajectory(np.r_[head, 5.0 * np.full(300, 0.034)])
     assert singular_coords(info, rows, th0) == []
 
 
