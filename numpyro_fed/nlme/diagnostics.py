@@ -507,7 +507,7 @@ class NLMEFit:
             return f, pk.error.sample(key, f, err)
 
         # SIM_CHUNK replicates per call of one program (bounded memory; the NPDE's and the
-        # VPC's simulations share it); the last chunk padded with copies of its first row
+        # VPC's simulations share it); the last chunk padded with copies of the last replicate
         C = min(R, SIM_CHUNK)
         eta = np.asarray(eta, t.dtype)  # sliced on the host (no program per slice)
         kap = {m: np.asarray(v, t.dtype) for m, v in kap.items()}
