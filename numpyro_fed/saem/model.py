@@ -581,10 +581,114 @@ def _dist_name(fn) -> str:
     return type(fn).__name__
 
 
+def _holds_tracer(obj, depth: int = 0, seen: set | None = None) -> bool:
+    """Whether a tracer is reachable from ``obj`` (containers, and the attributes of
+    objects: a distribution's parameters, a constraint's bounds), a few levels deep."""
+    if isinstance(obj, jax.core.Tracer):
+        return True
+    if depth > 8 or obj is None or isinstance(obj, str | bytes | int | float | bool | complex
+                                              | np.ndarray | jax.Array | type):
+        return False
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, list | tuple | set | frozenset):
+        items = list(obj)
+    else:
+        items = list(getattr(obj, "__dict__", {}).values())
+    return any(_holds_tracer(v, depth + 1, seen) for v in items)
+
+
+def _distributions(obj, out: list, depth: int = 0) -> list:
+    """The distribution objects in a trace site's ``fn``, wrappers and bases included."""
+    if isinstance(obj, dist.Distribution) and depth < 8:
+        out.append(obj)
+        for v in vars(obj).values():
+            _distributions(v, out, depth + 1)
+    return out
+
+
+def _instance_fields(d) -> dict:
+    """A distribution's instance attributes, without the lazily cached ones (recomputed on
+    use)."""
+    lazy = {n for c in type(d).__mro__ for n, v in vars(c).items()
+            if type(v).__name__ == "lazy_property"}
+    return {k: v for k, v in vars(d).items() if k not in lazy}
+
+
+def _compiled_trace(model, args, kwargs, key):
+    """The model's seeded trace computed by one compiled program (:func:`jit_once`) instead
+    of operation by operation: run eagerly, the first trace of a model compiles every
+    operation of its body as a program of its own (161 programs, 6.2 s of the first
+    ``PKModel`` fit on ``nlme::Quinidine``; one program here).
+
+    The trace comes back with its arrays concrete and its distributions rebuilt from their
+    pytree fields (the attributes outside them as the model set them). NumPyro validates a
+    distribution's arguments only on concrete values: the program computes the same checks
+    for the distributions of the trace. ``None`` -- and the caller traces the model
+    eagerly, as NumPyro does, with its errors -- when that would not be the same trace: the
+    model reads its data concretely (a plate size from ``int(x.max())``), an argument is
+    invalid (the eager trace raises NumPyro's error), or something of the trace does not
+    survive the round trip (an object or attribute holding a traced value).
+    """
+    arrays, static = split_data(args, kwargs)
+    box: dict = {}
+
+    def first_trace(arrs, k):
+        a, kw = merge_data(arrs, static)
+        tr = trace(seed(model, k)).get_trace(*a, **kw)
+        leaves, treedef = jax.tree.flatten(tr)
+        traced = [isinstance(v, jax.core.Tracer) for v in leaves]
+        box["treedef"] = treedef
+        box["fixed"] = [None if t else v for v, t in zip(leaves, traced, strict=True)]
+        box["traced"] = traced
+        box["fields"] = {n: [(type(d), _instance_fields(d)) for d in _distributions(s["fn"], [])]
+                         for n, s in tr.items() if s["type"] == "sample"}
+        # NumPyro's validation of the distributions' arguments (on by default), which a
+        # trace skips: computed here, checked below
+        valid = [jnp.all(d.arg_constraints[p](v))
+                 for s in tr.values() if s["type"] == "sample"
+                 for d in _distributions(s["fn"], []) if d._validate_args
+                 for p, v in d.get_args().items()
+                 if not constraints.is_dependent(d.arg_constraints[p])]
+        return [v for v, t in zip(leaves, traced, strict=True) if t], valid
+
+    try:
+        out, valid = jit_once(first_trace)(arrays, key)
+    except Exception:  # noqa: BLE001 -- the model needs concrete data: traced eagerly
+        return None
+    if not all(bool(v) for v in valid) or any(_holds_tracer(v) for v in box["fixed"]):
+        return None  # an invalid argument: the eager trace raises NumPyro's error
+    it = iter(out)
+    tr = jax.tree.unflatten(box["treedef"], [next(it) if t else v for v, t in zip(
+        box["fixed"], box["traced"], strict=True)])
+    for n, fields in box["fields"].items():
+        ds = _distributions(tr[n]["fn"], [])
+        if len(ds) != len(fields) or any(type(d) is not t
+                                         for d, (t, _) in zip(ds, fields, strict=True)):
+            return None
+        for d, (_, f) in zip(ds, fields, strict=True):
+            # attributes outside the pytree fields (Independent's `reparametrized_params`):
+            # as the model set them, unless they hold a traced value
+            for k, v in f.items():
+                if k not in vars(d):
+                    if _holds_tracer(v):
+                        return None
+                    setattr(d, k, v)
+    return tr
+
+
 def _trace_model(model, args, kwargs, key):
-    """Trace of the model on its data; a site that does not fit its plate (NumPyro's bare
+    """Trace of the model on its data (one compiled program where possible:
+    :func:`_compiled_trace`); a site that does not fit its plate (NumPyro's bare
     ``Incompatible shapes for broadcasting``) becomes an error naming the site, the plate
     and the sizes."""
+    tr = _compiled_trace(model, args, kwargs, key)
+    if tr is not None:
+        return tr
     try:
         return trace(seed(model, key)).get_trace(*args, **kwargs)
     except AssertionError as err:

@@ -507,20 +507,16 @@ class SAEMResult:
     def _exact_information(self):
         """Minus the Hessian of the closed-form log-likelihood (a linear Gaussian model)."""
         info, layout = self.info, self.layout
-        zs = jnp.asarray(self.z_draws)
-        z_init = jnp.mean(zs.reshape(-1, zs.shape[-1]), 0)
+        zm = self._modes()[0]
 
         def build(args, kwargs, ids):
-            def f(theta_u, z0):
-                tc = info.constrain_theta(theta_u)
-                zm, _, _, _ = lik.conditional_modes(info, layout, ids, tc, z0, args, kwargs,
-                                                    num_iters=8)
+            def f(theta_u, zm):
                 lay = layout if layout is not None else joint_layout(info)
                 return info_mod.gaussian_hessian(info, lay, ids, theta_u, zm, args, kwargs)
 
             return f
 
-        _, H = self._program("info_exact", build)(jnp.asarray(self.theta), z_init)
+        _, H = self._program("info_exact", build)(jnp.asarray(self.theta), zm)
         H = np.asarray(H, np.float64)
         return -(H + H.T) / 2.0, np.zeros(H.shape[0])
 
@@ -537,15 +533,11 @@ class SAEMResult:
         def build(args, kwargs, ids):
             lay = layout if layout is not None else joint_layout(info)
 
-            def f(theta_u, zs, M, key):
-                tc = info.constrain_theta(theta_u)
-                if kind == "gq":
-                    z0 = jnp.mean(zs.reshape(-1, zs.shape[-1]), 0)
-                    zm, H, _, _ = lik.conditional_modes(info, layout, ids, tc, z0, args,
-                                                        kwargs)
-                    nodes, logw = info_mod.gh_nodes(lay, zm, H, num_nodes)
+            def f(theta_u, around, M, key):
+                if kind == "gq":  # the nodes at the result's conditional modes
+                    nodes, logw = info_mod.gh_nodes(lay, *around, num_nodes)
                 else:
-                    nodes, logw = info_mod.is_nodes(lay, zs, key, num_samples)
+                    nodes, logw = info_mod.is_nodes(lay, around, key, num_samples)
                 return info_mod.node_hessian(info, lay, ids, theta_u, nodes, logw, M, args,
                                              kwargs, num_batches=B)
 
@@ -553,7 +545,10 @@ class SAEMResult:
 
         name = ("info_gq", num_nodes) if kind == "gq" else ("info_is", num_samples)
         key = random.key(0) if rng_key is None else rng_key
-        _, H, Hb = self._program(name, build)(jnp.asarray(self.theta), zs, M, key)
+        # the conditional modes of the likelihood, the importance sampler and the EBEs:
+        # computed once per result, not again inside this program
+        around = self._modes()[:2] if kind == "gq" else zs
+        _, H, Hb = self._program(name, build)(jnp.asarray(self.theta), around, M, key)
         H = np.asarray(H, np.float64)
         info_u = -(H + H.T) / 2.0
         mc = np.zeros(H.shape[0])
@@ -892,14 +887,10 @@ class SAEMResult:
         (empirical Bayes estimates), constrained: the modes of :math:`\\log p(y_i, z_i\\mid
         \\hat\\theta)` in the unconstrained latents (Jacobian included), by damped Newton
         from the mean of the final draws
-        (:func:`numpyro_fed.saem.likelihood.conditional_modes`). Computed at each call."""
-        info = self.info
-        zs = jnp.asarray(self.z_draws)
-        z0 = jnp.mean(zs.reshape(-1, zs.shape[-1]), 0)
-        fn = jax.jit(lambda tc, z: lik.conditional_modes(
-            info, self.layout, self.ids, tc, z, self.args, self.kwargs)[0])
-        z = fn(info.constrain_theta(jnp.asarray(self.theta)), z0)
-        return {n: np.asarray(v) for n, v in info.constrain_z(z)[0].items()}
+        (:func:`numpyro_fed.saem.likelihood.conditional_modes`; computed once per result and
+        shared with the likelihood and the standard errors)."""
+        z = self._modes()[0]
+        return {n: np.asarray(v) for n, v in self.info.constrain_z(z)[0].items()}
 
     # -- likelihood ---------------------------------------------------------------------------
     def log_likelihood(self, rng_key: jax.Array | None = None, *, method: str = "auto",
