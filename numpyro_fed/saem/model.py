@@ -15,6 +15,7 @@ the E-step (per-subject Metropolis tests) and the likelihood (per-subject integr
 from __future__ import annotations
 
 import hashlib
+import types
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -582,17 +583,21 @@ def _dist_name(fn) -> str:
 
 
 def _holds_tracer(obj, depth: int = 0, seen: set | None = None) -> bool:
-    """Whether a tracer is reachable from ``obj`` (containers, and the attributes of
-    objects: a distribution's parameters, a constraint's bounds), a few levels deep."""
+    """Whether a tracer may be reachable from ``obj`` (containers, and the attributes of
+    objects: a distribution's parameters, a constraint's bounds), a few levels deep; ``True``
+    (as if it were) past a few thousand objects."""
     if isinstance(obj, jax.core.Tracer):
         return True
-    if depth > 8 or obj is None or isinstance(obj, str | bytes | int | float | bool | complex
-                                              | np.ndarray | jax.Array | type):
+    if depth > 6 or obj is None or isinstance(
+            obj, str | bytes | int | float | bool | complex | np.ndarray | jax.Array | type
+            | types.ModuleType | types.FunctionType | types.BuiltinFunctionType):
         return False
     seen = set() if seen is None else seen
     if id(obj) in seen:
         return False
     seen.add(id(obj))
+    if len(seen) > 5000:
+        return True
     if isinstance(obj, dict):
         items = list(obj.values())
     elif isinstance(obj, list | tuple | set | frozenset):
@@ -634,7 +639,6 @@ def _compiled_trace(model, args, kwargs, key):
     invalid (the eager trace raises NumPyro's error), or something of the trace does not
     survive the round trip (an object or attribute holding a traced value).
     """
-    arrays, static = split_data(args, kwargs)
     box: dict = {}
 
     def first_trace(arrs, k):
@@ -657,6 +661,7 @@ def _compiled_trace(model, args, kwargs, key):
         return [v for v, t in zip(leaves, traced, strict=True) if t], valid
 
     try:
+        arrays, static = split_data(args, kwargs)
         out, valid = jit_once(first_trace)(arrays, key)
     except Exception:  # noqa: BLE001 -- the model needs concrete data: traced eagerly
         return None
