@@ -75,8 +75,17 @@ def test_result_conditional_modes_are_the_newton_modes_from_the_mean_draw(small_
     want = res.info.constrain_z(z)[0]
     assert set(modes) == set(want) == set(res.latent_samples())
     for k, v in want.items():
-        np.testing.assert_array_equal(modes[k], np.asarray(v), err_msg=k)
+        # the result computes its modes once, in the program it shares with the likelihood
+        # and the standard errors (compiled with other XLA options than this jax.jit): the
+        # same float32 Newton iterations, stopped where the objective's improvement is below
+        # its rounding, so the two agree to ~2e-5 relative (measured), not bit for bit
+        np.testing.assert_allclose(modes[k], np.asarray(v), rtol=1e-4, atol=1e-6,
+                                   err_msg=k)
         assert modes[k].shape[0] == 6
+    # and they are exactly the modes the likelihood and the standard errors use
+    shared = res.info.constrain_z(res._modes()[0])[0]
+    for k, v in shared.items():
+        np.testing.assert_array_equal(modes[k], np.asarray(v), err_msg=k)
     cm = small_fit.conditional_modes()
     for n in small_fit.pk.random_names:
         np.testing.assert_array_equal(cm[n], modes[f"phi_{n}"])
