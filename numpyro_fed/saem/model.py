@@ -649,13 +649,13 @@ def _compiled_trace(model, args, kwargs, key):
         box["treedef"] = treedef
         box["fixed"] = [None if t else v for v, t in zip(leaves, traced, strict=True)]
         box["traced"] = traced
-        box["fields"] = {n: [(type(d), _instance_fields(d)) for d in _distributions(s["fn"], [])]
-                         for n, s in tr.items() if s["type"] == "sample"}
+        dists = {n: _distributions(s["fn"], []) for n, s in tr.items() if s["type"] == "sample"}
+        box["fields"] = {n: [(type(d), _instance_fields(d)) for d in ds]
+                         for n, ds in dists.items()}
         # NumPyro's validation of the distributions' arguments (on by default), which a
         # trace skips: computed here, checked below
         valid = [jnp.all(d.arg_constraints[p](v))
-                 for s in tr.values() if s["type"] == "sample"
-                 for d in _distributions(s["fn"], []) if d._validate_args
+                 for ds in dists.values() for d in ds if d._validate_args
                  for p, v in d.get_args().items()
                  if not constraints.is_dependent(d.arg_constraints[p])]
         return [v for v, t in zip(leaves, traced, strict=True) if t], valid
