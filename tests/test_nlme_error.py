@@ -143,6 +143,47 @@ def test_zero_scale_and_nonpositive_prediction():
         assert all(np.isfinite(v) for v in g_p.values())
 
 
+@pytest.mark.parametrize("kind", ["proportional", "exponential"])
+def test_padded_observation_slots_are_outside_the_prediction_checks(kind):
+    """Phenobarb has 1-6 samples per subject: the shorter subjects' padded slots (time 0,
+    before every dose: f = 0) were refused by the f = 0 checks of these error models (the
+    fit raised on 199 padded "observations"), and would give NaN gradients. They are masked
+    out: the model's log-density and its gradient are finite, and equal those of the real
+    observations alone; a real observation at f = 0 is still refused."""
+    from numpyro_fed import nlme
+
+    data = nlme.load_phenobarb()
+    assert not np.all(data.obs.mask)  # padded slots exist
+    pk = nlme.PKModel(nlme.one_compartment(absorption=None),
+                      params={"CL": nlme.Param(0.005), "V": nlme.Param(1.0)}, error=kind)
+    kw = pk.arrays(data)
+    tr = handlers.trace(handlers.seed(pk.model, 0)).get_trace(**kw)  # raised before
+    values = {k: v["value"] for k, v in tr.items() if v["type"] in ("sample", "param")
+              and not v.get("is_observed", False)}
+
+    def lp(phi_cl):
+        return log_density(pk.model, (), kw, {**values, "phi_CL": phi_cl})[0]
+
+    val, grad = jax.value_and_grad(lp)(values["phi_CL"])
+    assert np.isfinite(val) and np.all(np.isfinite(grad))
+    # the padded slots' prediction is 1 (the real ones' are positive), and the observed
+    # site's density is the real observations' alone, finite
+    site = tr["dv"]
+    m = np.asarray(kw["obs_mask"], bool)
+    base = site["fn"].base_dist.base_dist  # Independent(Masked(Normal | LogNormal))
+    f = np.asarray(base.loc if kind == "proportional" else np.exp(base.loc))
+    assert np.all(f[~m] == 1.0) and np.all(f[m] > 0)
+    per_entry = np.asarray(base.log_prob(site["value"]), np.float64)
+    np.testing.assert_allclose(np.asarray(site["fn"].log_prob(site["value"])),
+                               np.where(m, per_entry, 0.0).sum(1), rtol=1e-5)
+    assert np.all(np.isfinite(per_entry[m]))
+    # a real observation before the first dose (f = 0) is still refused, by name
+    kw0 = dict(kw, obs_time=np.where(np.arange(m.shape[1]) == 0, -1.0,
+                                     np.asarray(kw["obs_time"])).astype(np.float32))
+    with pytest.raises(ValueError, match=r"at 59 entries at subject 1, row 1, "):
+        handlers.trace(handlers.seed(pk.model, 0)).get_trace(**kw0)
+
+
 # ------------------------------------------------------------------------------ simulation
 @pytest.mark.parametrize("kind", KINDS)
 def test_sample_moments(kind, x64):

@@ -547,7 +547,8 @@ class NLMEFit:
         y = np.asarray(a["dv"], np.float64)
         ys = sim["dv"].astype(np.float64)  # (K, n, T)
         if self.pk.error.kind == "exponential":  # decorrelate on the scale of the error
-            y, ys = np.log(np.where(m, y, 1.0)), np.log(ys)
+            # padded slots (f = 0, so simulated 0) are dropped below: log of 1, not of 0
+            y, ys = np.log(np.where(m, y, 1.0)), np.log(np.where(m, ys, 1.0))
         K = ys.shape[0]
         out = np.full(y.shape, np.nan)
         for i in range(y.shape[0]):  # host-side post-processing, one subject at a time

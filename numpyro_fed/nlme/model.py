@@ -972,6 +972,12 @@ class PKModel:
                         "binding is of data without any: call pk.model(**pk.arrays(data)) with "
                         "the arrays and binding of the same data.")
                 cens = lloq = None  # no censored observation: the plain density
+            # padded observation slots (subjects with fewer samples than the longest) are
+            # masked out of the density below; their prediction (0 at a padded time of 0) is
+            # replaced by 1, inside every error model's domain: a proportional error has
+            # g(0) = 0 and an exponential one needs f > 0, which must be refused at a real
+            # observation only, and a masked term must not give NaN gradients
+            f = jnp.where(obs_mask, f, jnp.ones((), f.dtype))
             try:
                 d = self.error.dist(f, errp, cens=cens, lloq=lloq)
             except ValueError:
