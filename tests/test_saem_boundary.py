@@ -103,6 +103,20 @@ def test_singular_coords_near_the_floor_after_reaching_it():
     # ... but a tail whose median is above it is not at the floor
     info, rows, th0 = _omega_trajectory(np.r_[head, 5.0 * np.full(300, 0.034)])
     assert singular_coords(info, rows, th0) == []
+    # an interior variance coming back from near the floor (nlme's Assay, seed 3: tau_block
+    # fell to 2e-4 of its largest value, then climbed through the last quarter from 0.009
+    # to 0.027 of it, median 0.022 < BOUNDARY_SETTLED_RATIO; reported singular before, with
+    # no SE, while its MLE is interior): not singular, the drift check judges it
+    climb = 5.0 * np.r_[np.geomspace(2e-4, 0.009, 175), np.geomspace(0.009, 0.027, 125)]
+    climb *= np.exp(0.05 * rng.normal(size=300))
+    info, rows, th0 = _omega_trajectory(np.r_[head, climb])
+    assert np.median(rows[-125:, j]) < BOUNDARY_SETTLED_RATIO * 5.0
+    assert singular_coords(info, rows, th0) == []
+    # the noise of a variance whose MLE is 0 shrinks with the steps: a tail decreasing by a
+    # factor 3 (Dyestuff2 seed 2: its second half at 0.30 of its first) stays singular
+    fall = 5.0 * np.r_[np.full(175, 0.01), np.geomspace(0.01, 0.0033, 125)]
+    info, rows, th0 = _omega_trajectory(np.r_[head, fall * np.exp(0.05 * rng.normal(size=300))])
+    assert singular_coords(info, rows, th0) == [j]
 
 
 @pytest.mark.parametrize("seed", [0, 7])
