@@ -284,3 +284,31 @@ def test_locations_exact_when_one_variance_is_at_its_floor():
     out = update(tc, b0, b1)
     np.testing.assert_allclose(float(out["beta0"]), b0.mean(dtype=np.float64), rtol=1e-5)
     np.testing.assert_allclose(float(out["beta1"]), b1.mean(dtype=np.float64), rtol=1e-5)
+
+
+def test_correlation_heading_to_one_keeps_a_cholesky_factor():
+    """A full Omega whose correlation heads to 1 (nlme's Phenobarb, full Omega on CL and V:
+    2 of 4 seeds crashed with "the M-step gave a non-finite theta" once L_omega[1,1] fell to
+    9e-4 of L_omega[1,0]): the moment formula's covariance, no longer positive definite in
+    float32, is held at a correlation matrix with smallest eigenvalue CORR_FLOOR, variances
+    kept; a covariance above the floor passes bit for bit."""
+    from numpyro_fed.saem.mstep import CORR_FLOOR, _corr_floor
+
+    sd = jnp.asarray([3.5, 2.4], jnp.float32)
+    for rho in (1.0, 1.0 + 1e-7, 0.9999999):
+        R = jnp.asarray([[1.0, rho], [rho, 1.0]], jnp.float32)
+        Sig = R * sd[:, None] * sd[None, :]
+        out, low = jax.jit(_corr_floor)(Sig)
+        assert bool(low)
+        L = np.asarray(jnp.linalg.cholesky(out))
+        assert np.all(np.isfinite(L)) and L[1, 1] > 0, (rho, L)
+        np.testing.assert_allclose(np.diagonal(out), sd ** 2, rtol=1e-5)
+        c = float(out[0, 1] / (sd[0] * sd[1]))
+        # smallest eigenvalue of the correlation matrix 1 - c at the floor (float32 rounding)
+        assert 0.3 * CORR_FLOOR < 1.0 - c < 3.0 * CORR_FLOOR, (rho, c)
+    Sig = jnp.asarray([[4.0, 1.9], [1.9, 1.0]], jnp.float32)  # correlation 0.95
+    out, low = jax.jit(_corr_floor)(Sig)
+    assert not bool(low) and np.array_equal(np.asarray(out), np.asarray(Sig))
+    # NaN statistics stay NaN (reported by the fit as a non-finite M-step, never hidden)
+    out, low = _corr_floor(jnp.full((2, 2), jnp.nan, jnp.float32))
+    assert bool(low) and not np.all(np.isfinite(np.asarray(out)))
