@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from jax import random
 
-from numpyro_fed import SingularFitWarning
+from numpyro_fed import ConvergenceWarning, SingularFitWarning
 from numpyro_fed.saem import SAEM
 from numpyro_fed.saem.result import BOUNDARY_SETTLED_RATIO
 
@@ -139,6 +139,20 @@ def test_normal_normal_at_its_boundary_finishes_singular(seed):
     gap = _nn_m2ll(y, float(res.params["mu"]), float(res.params["omega"])) - m2ll_max
     assert -1e-6 <= gap <= 0.5, gap
     assert abs(float(res.params["mu"]) - y.mean()) < 0.01  # SE of mu: 1/sqrt(30) = 0.18
+    # a boundary fit and nothing else: its SEs and -2LL say what a boundary fit means (they
+    # said "of a fit that has not converged are not to be trusted", contradicting the
+    # SingularFitWarning's "the estimates are the maximum on the boundary")
+    assert res.convergence_messages == sing
+    for call, what in ((res.standard_errors, "standard errors"),
+                       (lambda: res.log_likelihood(random.key(1)), "-2LL")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        texts = [str(w.message) for w in caught if issubclass(w.category, ConvergenceWarning)]
+        assert texts and all(issubclass(w.category, SingularFitWarning) for w in caught
+                             if issubclass(w.category, ConvergenceWarning)), (what, texts)
+        assert all("of a boundary (singular) fit: ['omega'] end at the boundary" in t
+                   and "has not converged" not in t for t in texts), (what, texts)
 
 
 def test_normal_normal_inside_is_not_singular():

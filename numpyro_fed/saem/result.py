@@ -48,6 +48,9 @@ BOUNDARY_RATIO = 1e-3
 BOUNDARY_SETTLED_RATIO = BOUNDARY_RATIO ** 0.5
 
 
+#: how the message of a boundary (singular) fit begins (:meth:`SAEMResult.check_convergence`)
+_SINGULAR_PREFIX = "SAEM: boundary (singular) fit: "
+
 #: fewest iterations of the final (decreasing-step) phase. The drift test compares means over
 #: its quarters (12 iterations each at 50), and the averaging needs them: at gamma_k =
 #: k^(-2/3), iteration 50 still carries sqrt(gamma/2) ~ 20% of one draw's Monte Carlo noise;
@@ -647,8 +650,18 @@ class SAEMResult:
     def _warn_unconverged(self, what: str) -> None:
         """Warn (:class:`ConvergenceWarning`) that ``what`` comes from a fit that has not
         converged, quoting why."""
-        if self.convergence_messages:
-            why = " | ".join(self.convergence_messages)
+        msgs = self.convergence_messages
+        if msgs and all(m.startswith(_SINGULAR_PREFIX) for m in msgs):
+            # a boundary fit and nothing else: its estimates are the maximum on the boundary
+            # (not "a fit that has not converged"); say what that means for ``what``
+            warnings.warn(
+                f"SAEM: {what} of a boundary (singular) fit: {self.singular_params} end at the "
+                "boundary of their support, where the maximum likelihood is; their standard "
+                "errors are NaN and the others' are on the face of the boundary, as lme4 "
+                f"reports them (see SAEMResult.singular). {msgs[0]}",
+                SingularFitWarning, stacklevel=3)
+        elif msgs:
+            why = " | ".join(msgs)
             warnings.warn(
                 f"SAEM: {what} of a fit that has not converged are not to be trusted: {why}",
                 ConvergenceWarning, stacklevel=3)
@@ -1238,7 +1251,7 @@ class SAEMResult:
                 sing_now = b["name"] in self.singular_params
                 others = [n for n in self.singular_params if n != b["name"]]
                 msgs.append(
-                    ("SAEM: boundary (singular) fit: " if sing_now else "SAEM: ")
+                    (_SINGULAR_PREFIX if sing_now else "SAEM: ")
                     + (f"{others} also end at their boundary; " if others else "")
                     + f"'{b['name']}' fell to {b['value']:.3g} at iteration "
                     f"{b['iteration']} (down from {b['reference']:.3g} earlier): it is heading to "
