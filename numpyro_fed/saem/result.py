@@ -649,7 +649,8 @@ class SAEMResult:
 
     def _warn_unconverged(self, what: str) -> None:
         """Warn (:class:`ConvergenceWarning`) that ``what`` comes from a fit that has not
-        converged, quoting why."""
+        converged, quoting why; for a fit whose only message is its boundary (singular) fit,
+        a :class:`SingularFitWarning` saying what ``what`` is on the boundary."""
         msgs = self.convergence_messages
         if msgs and all(m.startswith(_SINGULAR_PREFIX) for m in msgs):
             # a boundary fit and nothing else: its estimates are the maximum on the boundary
