@@ -254,7 +254,13 @@ def test_default_fit_reaches_the_exact_maximum_and_recovers_the_truth():
     assert kap.shape == (r["n"] * r["occasions"],)
     ind = fit.individual_estimates()
     assert {"CL_mode", "V_mode", "eta_CL"} <= set(ind.columns)
-    assert math.isfinite(fit.parameter_table(standard_errors=False).loc["omega_iov_CL", "cv_%"])
+    # the CV % of the occasion effect on the variance row of the default table, as the
+    # between-subject ones (it was missing once the table moved to variances)
+    tab = fit.parameter_table(standard_errors=False)
+    cv = 100 * math.sqrt(math.expm1(p["omega_iov_CL"] ** 2))
+    assert tab.loc["omega_iov_CL^2", "cv_%"] == pytest.approx(cv)
+    assert fit.parameter_table(scale="sd", standard_errors=False).loc[
+        "omega_iov_CL", "cv_%"] == pytest.approx(cv)
 
 
 # ----------------------------------------------------------------------------- propagator

@@ -119,8 +119,9 @@ class NLMEFit:
                                      "cv_%": cv}
         for n in pk.iov:  # inter-occasion variability: CV % of a log-normal parameter
             key = f"omega_iov_{n}"
-            if key in df.index and pk.params[n].transform == "log":
-                df.loc[key, "cv_%"] = 100 * math.sqrt(math.expm1(float(est[key]) ** 2))
+            for k in (key, f"{key}^2"):  # the sd or the variance row (``scale``)
+                if k in df.index and pk.params[n].transform == "log":
+                    df.loc[k, "cv_%"] = 100 * math.sqrt(math.expm1(float(est[key]) ** 2))
         for n in pk.names:  # typical values on the natural scale
             f = TRANSFORMS[pk.params[n].transform][0]
             df.loc[f"typical_{n}"] = {"estimate": float(f(est[f"mu_{n}"])), "se": np.nan,

@@ -31,11 +31,18 @@ One compartment (with or without a depot): the exponential of :math:`M t` in clo
 (:func:`exp_rate_matrix`: :math:`e^{-k t}`, :math:`e^{-k_a t}` and the Bateman term written
 without cancellation), far cheaper to compile and differentiate than a general matrix
 exponential. Otherwise the amounts are exact up to the matrix exponential's round-off
-(``jax.scipy.linalg.expm``,
-Padé with scaling and squaring; differentiable to every order); with constant parameters
-the result equals the closed forms (``tests/test_nlme_diagnostics_multidose.py``: 1e-10
-relative in float64), and with piecewise-constant ones an ODE solution (``diffrax``) integrated
-interval by interval.
+(:func:`expm_small`: Padé with scaling and squaring; differentiable to every order);
+with constant parameters the result equals the closed forms
+(``tests/test_nlme_diagnostics_multidose.py``: 1e-10 relative in float64), and with
+piecewise-constant ones an ODE solution (``diffrax``) integrated interval by interval.
+
+No LAPACK call: the matrix exponential (:func:`expm_small`) and the steady-state solve
+(:func:`solve_small`) are written in matrix products and elementwise operations. jaxlib
+0.10's CPU LAPACK kernels split a large batch of small matrices over XLA's intra-op thread
+pool from a thread of that pool and block until the pieces finish; two such kernels running
+at once on a two-thread pool wait for each other forever (the 136-subject Quinidine fit with
+time-varying covariates stalled at 0% CPU in ``lapack_strsm_ffi``, batch 136 x 40 doses).
+The vmapped prediction of every subject and draw is exactly such a batch.
 
 Not supported: a lag time ``TLAG`` (the lagged dose times would interleave with the
 records), ODE models and plain structural functions (:class:`~numpyro_fed.nlme.model.
@@ -44,13 +51,86 @@ PKModel` refuses them with time-varying covariates).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import expm
 
-__all__ = ["exp_rate_matrix", "merge_records", "predict_piecewise", "rate_matrix"]
+__all__ = ["exp_rate_matrix", "expm_small", "merge_records", "predict_piecewise",
+           "rate_matrix", "solve_small"]
+
+#: Squarings :func:`expm_small` undoes at most (1-norms up to ``theta * 2**MAX_SQUARINGS``);
+#: beyond, NaN.
+MAX_SQUARINGS = 32
+
+
+def solve_small(A: jax.Array, B: jax.Array) -> jax.Array:
+    """``X`` with ``A X = B`` for a small square ``A`` of static size: Gaussian elimination
+    with partial pivoting, unrolled over the size, in gathers and elementwise operations (no
+    LAPACK call; see the module docstring). Differentiable to every order (the pivot order
+    is piecewise constant).
+
+    :param A: ``(n, n)``.
+    :param B: ``(n,)`` or ``(n, k)``.
+    :return: the shape of ``B``.
+    """
+    n = A.shape[-1]
+    vec = B.ndim == 1
+    B = B[:, None] if vec else B
+    W = jnp.concatenate([A, B.astype(jnp.result_type(A, B))], axis=1)
+    rows = jnp.arange(n)
+    for j in range(n - 1):
+        p = j + jnp.argmax(jnp.abs(W[j:, j]))
+        W = W[jnp.where(rows == j, p, jnp.where(rows == p, j, rows))]
+        W = W.at[j + 1:].add(-(W[j + 1:, j] / W[j, j])[:, None] * W[j])
+    X: list[jax.Array] = [jnp.zeros(())] * n
+    for i in range(n - 1, -1, -1):
+        acc = W[i, n:]
+        for k in range(i + 1, n):
+            acc = acc - W[i, k] * X[k]
+        X[i] = acc / W[i, i]
+    out = jnp.stack(X)
+    return out[:, 0] if vec else out
+
+
+def expm_small(A: jax.Array) -> jax.Array:
+    r""":math:`e^{A}` of a small square matrix: the diagonal Padé approximant
+    :math:`r_m = q_m(A)^{-1} p_m(A)` after scaling by :math:`2^{-s}`, then ``s`` squarings
+    (Higham 2005, Algorithm 2.3 with its top degree: ``m = 13``, :math:`\theta_{13} = 5.37`
+    in float64; ``m = 7``, :math:`\theta_7 = 3.93` in float32, the constants of
+    ``jax.scipy.linalg.expm``), in matrix products and :func:`solve_small` (no LAPACK
+    call; see the module docstring). The squarings are a fixed-length scan that skips those
+    past ``s``, so reverse-mode derivatives exist.
+
+    :param A: ``(n, n)``, floating.
+    :return: ``(n, n)``; NaN when ``s`` would exceed :data:`MAX_SQUARINGS`.
+    """
+    A = jnp.asarray(A)
+    n = A.shape[-1]
+    m, theta = (13, 5.371920351148152) if A.dtype == jnp.float64 else (7, 3.925724783138660)
+    norm = jax.lax.stop_gradient(jnp.max(jnp.sum(jnp.abs(A), axis=-2)))
+    s = jnp.maximum(0.0, jnp.ceil(jnp.log2(jnp.maximum(norm, 1e-30) / theta)))
+    X = A / (2.0 ** s).astype(A.dtype)
+    b = [math.factorial(2 * m - j) * math.factorial(m)
+         / (math.factorial(2 * m) * math.factorial(j) * math.factorial(m - j))
+         for j in range(m + 1)]
+    power = jnp.eye(n, dtype=A.dtype)
+    U = jnp.zeros_like(A)
+    V = b[0] * power
+    for j in range(1, m + 1):
+        power = power @ X
+        if j % 2:
+            U = U + b[j] * power
+        else:
+            V = V + b[j] * power
+    R = solve_small(V - U, V + U)
+
+    def square(R, i):
+        return jnp.where(i < s, R @ R, R), None
+
+    R, _ = jax.lax.scan(square, R, jnp.arange(MAX_SQUARINGS, dtype=s.dtype))
+    return jnp.where(s > MAX_SQUARINGS, jnp.nan, R)
 
 
 def _bateman(k: jax.Array, ka: jax.Array, t: jax.Array) -> jax.Array:
@@ -72,9 +152,9 @@ def exp_rate_matrix(M: jax.Array, t: jax.Array, n_compartments: int,
                     absorption: bool) -> jax.Array:
     """:math:`e^{M t}` for a rate matrix of :func:`rate_matrix` (``(S, S)``, scalar
     ``t >= 0``): in closed form for one compartment (``k = -M_cc``, ``k_a = -M_00``),
-    ``jax.scipy.linalg.expm`` otherwise."""
+    :func:`expm_small` otherwise."""
     if n_compartments != 1:
-        return expm(M * t)
+        return expm_small(M * t)
     if not absorption:
         return jnp.exp(M * t)
     ka, k = -M[0, 0], -M[1, 1]
@@ -203,7 +283,7 @@ def predict_piecewise(model: Any, p_obs: dict, p_dose: dict, t: jax.Array, doses
 
     def aug(Mk, r_vec, length):  # int_0^length e^{M s} r_vec ds
         A = jnp.zeros((S + 1, S + 1), dtype).at[:S, :S].set(Mk).at[:S, S].set(r_vec)
-        return expm(A * length)[:S, S]
+        return expm_small(A * length)[:S, S]
 
     eye = jnp.eye(S, dtype=dtype)
     if steady_state:
@@ -214,7 +294,7 @@ def predict_piecewise(model: Any, p_obs: dict, p_dose: dict, t: jax.Array, doses
             one = jax.vmap(aug)(M_d, r_vec, tau)  # amounts at the end of one infusion
             rest = jax.vmap(em)(M_d, jnp.maximum(ii - tau, 0.0))
             b_ss = jnp.where(inf[:, None], jnp.einsum("dij,dj->di", rest, one), bolus)
-        x_ss = jnp.linalg.solve(eye - Phi_ii, b_ss[..., None])[..., 0]  # (D, S)
+        x_ss = jax.vmap(solve_small)(eye - Phi_ii, b_ss)  # (D, S)
         # a steady-state infusion: the amounts before the current one, which then runs
     else:
         x_ss = jnp.zeros((D, S), dtype)
