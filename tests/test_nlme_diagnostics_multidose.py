@@ -419,6 +419,41 @@ def test_solve_small_against_numpy():
             np.testing.assert_allclose(out, np.linalg.solve(A, b), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("n,kii,rtol", [(1, 1e-9, 1e-4), (1, 1e-4, 1e-4), (2, 1e-4, 5e-3)])
+def test_steady_state_with_slow_elimination_is_finite(n, kii, rtol):
+    """A draw with a small CL and a large V: the steady state (``k II`` = 1e-9 below
+    float32's resolution of 1 - e^{-k II}) and its derivatives are finite and match float64.
+    Before, ``I - e^{M II}`` was 0 in float32, the steady state infinite and every derivative
+    NaN (Quinidine with time-varying covariates: the SA-Newton score NaN at iteration 0 on
+    seed 0). Reference: the same function in float64. One compartment: float32 within 1e-4
+    at any k (measured 4e-7, derivatives 3e-7 of their largest). Two: ``I - e^{M II}`` has
+    condition ``~1 / (k II)`` (the slow mode), so float32 keeps about ``eps / (k II)``: 5e-3
+    at 1e-4 (measured 1.1e-3, derivatives 2.3e-3); at 1e-9 it is singular in float32 (a
+    known limit: the E-step rejects a proposal there, as any non-finite one)."""
+    m = compartment_model(n, "first_order")
+    d = _doses(len(m.compartments))
+    d = d._replace(rate=np.zeros(7), cmt=np.ones(7, int),
+                   ss=np.array([0, 0, 0, 1, 0, 0, 0], bool))
+    names = (*m.param_names, "F")
+
+    def pred(logcl, dtype):
+        p = {k: jnp.full((), P[k], dtype) for k in names}
+        p["CL"] = jnp.exp(logcl).astype(dtype)
+        po = {k: jnp.full(len(T_OBS), v) for k, v in p.items()}
+        pd_ = {k: jnp.full(7, v) for k, v in p.items()}
+        return predict_piecewise(m, po, pd_, T_OBS.astype(dtype), d)
+
+    value_grad = jax.jit(lambda x, dtype: (pred(x, dtype), jax.jacfwd(pred)(x, dtype)),
+                         static_argnums=1)
+    logcl = np.log(kii * P["V"] / 6.0)  # k = CL / V, II = 6
+    f32, g32 = map(np.asarray, value_grad(jnp.float32(logcl), jnp.float32))
+    with jax.enable_x64(True):
+        f64, g64 = map(np.asarray, value_grad(jnp.float64(logcl), jnp.float64))
+    assert np.all(np.isfinite(f32)) and np.all(np.isfinite(g32))
+    np.testing.assert_allclose(f32, f64, rtol=rtol)
+    np.testing.assert_allclose(g32, g64, rtol=10 * rtol, atol=rtol * np.abs(g64).max())
+
+
 def test_pkmodel_uses_the_covariate_in_force():
     """A covariate that changes within a subject: PKModel's predictions are those of the
     parameters in force at each record (LOCF), not of the first value."""

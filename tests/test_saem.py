@@ -363,6 +363,58 @@ def test_centring_design_finds_the_location_shifts_only():
     assert np.all(M == 0.0), np.abs(M).max(0)
 
 
+def test_centring_design_of_a_covariate_spanning_a_wide_range():
+    """A fixed effect of a subject covariate x in [-50, 50] inside an exponential rate (as
+    a PK covariate coefficient on log CL): its exact shift is x_i on each subject's ``a`` and
+    nothing on ``b``, whose data say little. The random design points put the coefficient
+    at up to 0.5, so the gradients range over many orders between points; unscaled, the
+    largest point set both the fit and the tolerance (Quinidine with time-varying covariates:
+    a spurious 1.9e8 on phi_V, the chains at phi_V = 7e4, the fit NaN). Over 8 keys, no
+    subject gets a wrong shift (1% relative; one left at 0 is only slower); before the
+    per-point scaling, keys failed."""
+    from numpyro_fed.saem.model import centring_design, jit_once
+
+    def model(x, t, y):
+        mu_a = numpyro.param("mu_a", -1.0)
+        mu_b = numpyro.param("mu_b", 0.0)
+        beta = numpyro.param("beta", 0.0)
+        om = numpyro.param("omega", jnp.ones(2), constraint=constraints.positive)
+        sigma = numpyro.param("sigma", 0.5, constraint=constraints.positive)
+        with numpyro.plate("subject", x.shape[0]):
+            a = numpyro.sample("a", dist.Normal(mu_a, om[0]))
+            b = numpyro.sample("b", dist.Normal(mu_b, om[1]))
+            k = jnp.exp(a + beta * x)
+            f = 10.0 * jnp.exp(-k[:, None] * t) + 1e-3 * jnp.exp(b)[:, None] * t
+            numpyro.sample("y", dist.Normal(f, sigma).to_event(1), obs=y)
+
+    rng = np.random.default_rng(0)
+    n = 40
+    x = np.linspace(-50.0, 50.0, n).astype(np.float32)
+    t = np.tile(np.array([0.5, 1.0, 2.0, 4.0, 8.0], np.float32), (n, 1))
+    y = (10.0 * np.exp(-np.exp(-1.0) * t) + rng.normal(0, 0.5, t.shape)).astype(np.float32)
+    data = {"x": x, "t": t, "y": y}
+
+    def design(key):
+        info = ModelInfo(model, (), data, key)
+        lay, reason = subject_layout(info, None, (), data, key)
+        assert lay is not None, reason
+        M = jit_once(lambda th, z, d, ids: centring_design(
+            info, lay, th, z, (), d, key, ids=ids))(info.theta0_u_flat, info.z0_u_flat,
+                                                    data, lay.ids)
+        return info, lay, np.asarray(M)
+
+    wrong = []
+    for s in range(8):
+        info, lay, M = design(random.key(s))
+        off = dict(zip(info.param_names, info.param_offsets_u[:-1], strict=True))
+        expect = np.zeros_like(M)
+        expect[lay.zidx[:, 0], off["beta"]] = x
+        bad = (np.abs(M - expect) > 1e-2 * np.maximum(1.0, np.abs(expect))) & (M != 0)
+        wrong.append(int(bad.sum()))
+        assert np.count_nonzero(M[:, off["beta"]]) >= n // 2  # most subjects are shifted
+    assert wrong == [0] * 8, wrong
+
+
 def test_low_acceptance_warning_is_for_kernels_with_a_test():
     """The 'draws barely move' check reads the E-step's acceptance rate: meaningful for MALA
     (and NumPyro kernels), not for ULA, which takes every move (its recorded rate is the

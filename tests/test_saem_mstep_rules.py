@@ -312,3 +312,37 @@ def test_correlation_heading_to_one_keeps_a_cholesky_factor():
     # NaN statistics stay NaN (reported by the fit as a non-finite M-step, never hidden)
     out, low = _corr_floor(jnp.full((2, 2), jnp.nan, jnp.float32))
     assert bool(low) and not np.all(np.isfinite(np.asarray(out)))
+
+
+def test_structure_probes_skip_points_where_the_model_is_not_finite():
+    """The closed-form M-step's structure probes perturb theta at random; a model that is
+    not finite at a perturbed probe (here: no steady state once ``k`` is tiny, as in a PK
+    model whose covariate coefficient moved by 0.3 on a covariate spanning +-50) made every
+    param seem to enter the likelihood (NaN derivatives), so the model got SA-Newton on
+    some keys and the closed form on others: Quinidine with time-varying covariates fitted
+    with the Newton M-step on seed 0 and ended at a worse maximum. Now such a probe is
+    redrawn, every key recognises the model, and the fit's probes do not depend on its key
+    (default key)."""
+
+    def nan_far(x, y):
+        mu = numpyro.param("mu", 0.0)
+        beta = numpyro.param("beta", 0.0)
+        omega = numpyro.param("omega", 1.0, constraint=constraints.positive)
+        sigma = numpyro.param("sigma", 1.0, constraint=constraints.positive)
+        with numpyro.plate("subject", x.shape[0]):
+            phi = numpyro.sample("phi", dist.Normal(mu, omega))
+            # |beta| > 0.28 (a third of the default probes): u = k * 1e-7 below 5e-20, the
+            # derivative -1/u^2 of the steady state 1 / (1 - e^{-k II}) overflows float32
+            k = jnp.exp(phi[:, None] + beta * x[:, None] - 100.0 * jnp.abs(beta))
+            ss = 1.0 / -jnp.expm1(-k * 1e-7)
+            loc = jnp.broadcast_to(jnp.log(ss) - 16.0, y.shape)
+            numpyro.sample("y", dist.Normal(loc, sigma).to_event(1), obs=y)
+
+    x = np.linspace(-1.0, 1.0, 12).astype(np.float32)
+    y = np.zeros((12, 3), np.float32)
+    info = ModelInfo(nan_far, (x, y), {}, random.key(0))
+    outcomes = []
+    for s in [None, *range(8)]:
+        spec, reason = detect_gaussian(info, (x, y), {}, None if s is None else random.key(s))
+        outcomes.append((s, spec is not None and "phi" in spec.diag_sites, reason))
+    assert all(ok for _, ok, _ in outcomes), outcomes

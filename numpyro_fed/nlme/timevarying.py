@@ -57,8 +57,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["exp_rate_matrix", "expm_small", "merge_records", "predict_piecewise",
-           "rate_matrix", "solve_small"]
+__all__ = ["exp_rate_matrix", "expm_small", "merge_records", "one_minus_exp_rate_matrix",
+           "predict_piecewise", "rate_matrix", "solve_small"]
 
 #: Squarings :func:`expm_small` undoes at most (1-norms up to ``theta * 2**MAX_SQUARINGS``);
 #: beyond, NaN.
@@ -161,6 +161,29 @@ def exp_rate_matrix(M: jax.Array, t: jax.Array, n_compartments: int,
     zero = jnp.zeros((), M.dtype)
     return jnp.stack([jnp.stack([jnp.exp(-ka * t), zero]),
                       jnp.stack([ka * _bateman(k, ka, t), jnp.exp(-k * t)])])
+
+
+def one_minus_exp_rate_matrix(M: jax.Array, t: jax.Array, n_compartments: int,
+                              absorption: bool) -> jax.Array:
+    r""":math:`I - e^{M t}` without cancellation, the matrix of a steady state
+    :math:`(I - e^{M\,II})^{-1} b`: a slow elimination (:math:`k\,II` below the unit
+    round-off, e.g. a draw with a small ``CL`` and a large ``V``) made ``1 - e^{-k II}`` 0 in
+    float32, the steady state infinite and every derivative NaN. One compartment in closed
+    form (``-expm1``, the Bateman term); otherwise :math:`-A\,\varphi_1(A)`, ``A = M t``,
+    with :math:`\varphi_1(A) = \sum_k A^k/(k+1)!` the upper right block of the exponential
+    of ``[[A, I], [0, 0]]`` (Higham 2008, Thm. 10.13)."""
+    if n_compartments == 1:
+        if not absorption:
+            return -jnp.expm1(M * t)
+        ka, k = -M[0, 0], -M[1, 1]
+        zero = jnp.zeros((), M.dtype)
+        return jnp.stack([jnp.stack([-jnp.expm1(-ka * t), zero]),
+                          jnp.stack([-ka * _bateman(k, ka, t), -jnp.expm1(-k * t)])])
+    S = M.shape[0]
+    A = M * t
+    big = jnp.zeros((2 * S, 2 * S), M.dtype).at[:S, :S].set(A).at[:S, S:].set(
+        jnp.eye(S, dtype=M.dtype))
+    return -A @ expm_small(big)[:S, S:]
 
 
 def rate_matrix(p: dict[str, jax.Array], n_compartments: int, absorption: bool) -> jax.Array:
@@ -285,16 +308,16 @@ def predict_piecewise(model: Any, p_obs: dict, p_dose: dict, t: jax.Array, doses
         A = jnp.zeros((S + 1, S + 1), dtype).at[:S, :S].set(Mk).at[:S, S].set(r_vec)
         return expm_small(A * length)[:S, S]
 
-    eye = jnp.eye(S, dtype=dtype)
     if steady_state:
-        Phi_ii = jax.vmap(em)(M_d, ii)
+        I_Phi = jax.vmap(lambda Mk, tk: one_minus_exp_rate_matrix(Mk, tk, n_c, absorb))(
+            M_d, ii)
         b_ss = bolus
         if infusions:
             r_vec = rate[:, None] * tgt
             one = jax.vmap(aug)(M_d, r_vec, tau)  # amounts at the end of one infusion
             rest = jax.vmap(em)(M_d, jnp.maximum(ii - tau, 0.0))
             b_ss = jnp.where(inf[:, None], jnp.einsum("dij,dj->di", rest, one), bolus)
-        x_ss = jax.vmap(solve_small)(eye - Phi_ii, b_ss)  # (D, S)
+        x_ss = jax.vmap(solve_small)(I_Phi, b_ss)  # (D, S)
         # a steady-state infusion: the amounts before the current one, which then runs
     else:
         x_ss = jnp.zeros((D, S), dtype)

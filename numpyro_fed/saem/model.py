@@ -1422,6 +1422,16 @@ def centring_design(info: ModelInfo, layout: SubjectLayout, theta_u, z_u_flat, a
     gt, gz = jax.vmap(grads)(thetas, zs)  # (P, n, d), (P, n, q)
     G = jnp.moveaxis(gz, 0, 1)  # (n, P, q)
     R = jnp.moveaxis(gt, 0, 1)  # (n, P, d)
+    # each point's equations scaled to its own size (an exact shift holds at every point
+    # whatever its scale): a point where the subject's gradients are huge would otherwise
+    # set both the least-squares fit and the tolerance below for all the others (Quinidine
+    # with time-varying covariates: a covariate coefficient at -0.36 on WEIGHT 119 gave
+    # gradients of 3e14 at one point, the tolerance 1e11, and a spurious shift of 1.9e8 on
+    # phi_V per unit coefficient -- the chains moved to phi_V = 7e4 and the fit to NaN)
+    w = 1.0 / (jnp.max(jnp.abs(G), axis=2, keepdims=True)
+               + jnp.max(jnp.abs(R), axis=2, keepdims=True) + 1e-30)
+    w = jnp.where(jnp.isfinite(w), w, 0.0)  # a non-finite point: left out
+    G, R = jnp.where(w > 0, G * w, 0.0), jnp.where(w > 0, R * w, 0.0)
     scale = jnp.linalg.norm(G, axis=1) + 1e-30  # (n, q)
     if layout.n == 1 and layout.q > 1 and str(layout.plate).startswith("groups("):
         # one connected group (crossed factors): the shift is not unique (the intercept

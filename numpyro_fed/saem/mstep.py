@@ -165,6 +165,15 @@ def _mvn_rule_params(rule, names, Sigma):
     return {names[0]: sd, names[1]: jnp.linalg.cholesky(corr)}
 
 
+#: The key of the structure probes (:func:`detect_gaussian`): fixed, so that the M-step a
+#: model gets does not depend on the key of the fit.
+PROBE_SEED = 7
+#: Perturbation sizes (times the default) of the redrawn probes where the model was not
+#: finite: two new directions, then smaller steps (still far above the 2e-3 relative
+#: tolerance of the affinity checks).
+PROBE_RETRY_SCALES = (1.0, 1.0, 0.5, 0.25, 0.125)
+
+
 class _Probes(NamedTuple):
     """Where :func:`detect_gaussian` looks at the model: three values of :math:`\\theta`
     (flat constrained), two of :math:`z` (flat unconstrained), and the param site of each
@@ -202,9 +211,10 @@ class _SiteProbe(NamedTuple):
     scale_params: set
 
 
-def _make_probes(info: ModelInfo, key) -> _Probes:
+def _make_probes(info: ModelInfo, key, scale: float = 1.0) -> _Probes:
     """Three values of :math:`\\theta` (the initial one and two random perturbations of it,
-    unconstrained) and two of :math:`z` (the initial one and a perturbation)."""
+    unconstrained, ``scale`` times the default size) and two of :math:`z` (the initial one
+    and a perturbation)."""
     tc0 = {n: jnp.asarray(v) for n, v in info.theta0_c.items()}
     _, unravel_c = ravel_pytree(tc0)
     coord_param = np.concatenate(
@@ -212,20 +222,22 @@ def _make_probes(info: ModelInfo, key) -> _Probes:
     ).astype(int)
     k1, k2, k3 = random.split(key, 3)
     tu0 = info.theta0_u_flat
-    probes_u = [tu0, tu0 + 0.3 * random.normal(k1, tu0.shape),
-                tu0 - 0.2 + 0.25 * random.normal(k2, tu0.shape)]
+    probes_u = [tu0, tu0 + scale * 0.3 * random.normal(k1, tu0.shape),
+                tu0 + scale * (-0.2 + 0.25 * random.normal(k2, tu0.shape))]
     probes_c = [ravel_pytree(info.constrain_theta(t))[0] for t in probes_u]
     z0 = info.z0_u_flat
-    zs = [z0, z0 + 0.2 * random.normal(k3, z0.shape)]
+    zs = [z0, z0 + scale * 0.2 * random.normal(k3, z0.shape)]
     return _Probes(probes_c, zs, coord_param, unravel_c)
 
 
-def _probe_sites(info: ModelInfo, pr: _Probes, args, kwargs) -> tuple[dict, dict]:
+def _probe_sites(info: ModelInfo, pr: _Probes, args, kwargs) -> tuple[dict, dict, np.ndarray]:
     """At every probe pair, the location and scale of each Normal site (and of each latent
     MultivariateNormal site: its location and ``scale_tril``) with their Jacobians in
     :math:`\\theta`, and which params enter each site's log-density. Returns
-    ``({site: _SiteProbe}, {site: set of params entering it})``; one compiled program
-    (the data are its arguments: new data of the same shapes reuse it)."""
+    ``({site: _SiteProbe}, {site: set of params entering it}, finite)``, ``finite`` ``(P, Z)``
+    whether every value, Jacobian and log-density derivative is finite at that pair; one
+    compiled program (the data are its arguments: new data or probes of the same shapes
+    reuse it)."""
     site_names = info.latent_names + info.observed_names
     unravel_c = pr.unravel_c
 
@@ -265,6 +277,9 @@ def _probe_sites(info: ModelInfo, pr: _Probes, args, kwargs) -> tuple[dict, dict
 
     P, Z = jnp.stack(pr.theta_c), jnp.stack(pr.z)
     vals, jacs, dep = jax.tree.map(np.asarray, jit_once(probe)(P, Z, arrays))
+    finite = np.ones((P.shape[0], Z.shape[0]), bool)
+    for leaf in jax.tree.leaves((vals, jacs, dep)):
+        finite &= np.all(np.isfinite(leaf.reshape(P.shape[0], Z.shape[0], -1)), axis=-1)
     # which params enter the log-density of each site (any probe)
     enters = {n: {int(pr.coord_param[j]) for j in np.nonzero(np.any(dep[n] != 0, (0, 1)))[0]}
               for n in site_names}
@@ -275,7 +290,7 @@ def _probe_sites(info: ModelInfo, pr: _Probes, args, kwargs) -> tuple[dict, dict
         sites[n] = _SiteProbe(vals[n][0], vals[n][1], Jl, Js,
                               set().union(*[pr.params_of(J) for J in Jl]),
                               set().union(*[pr.params_of(J) for J in Js]))
-    return sites, enters
+    return sites, enters, finite
 
 
 def _positive_params(info: ModelInfo, params) -> bool:
@@ -418,7 +433,8 @@ def _gaussian_spec(info: ModelInfo, pr: _Probes, cand_lat: dict, cand_obs: dict
     )
 
 
-def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | None, str]:
+def detect_gaussian(info: ModelInfo, args, kwargs, key=None
+                    ) -> tuple[GaussianSpec | None, str]:
     """Recognise the Gaussian random-effects family by numerical probes (three values of
     :math:`\\theta`, two of :math:`z`). Returns ``(spec, "")`` or ``(None, reason)`` when no
     latent site is of the family (the whole M-step is then SA-Newton).
@@ -432,13 +448,34 @@ def detect_gaussian(info: ModelInfo, args, kwargs, key) -> tuple[GaussianSpec | 
     scale is proportional to one positive parameter that enters no other site. All other
     parameters are left to SA-Newton.
 
+    The probes are drawn from ``key`` (default :data:`PROBE_SEED`: the same for every fit
+    of a model); a perturbed probe where the model is not finite is redrawn
+    (:data:`PROBE_RETRY_SCALES`).
+
     The steps: the probe points (:func:`_make_probes`), the sites' locations, scales and
     dependencies there (:func:`_probe_sites`), each site's candidacy
     (:func:`_observed_candidate`, :func:`_latent_candidate`), the candidates whose
     params are their own (:func:`_keep_own_params`), the spec (:func:`_gaussian_spec`).
     """
+    key = random.key(PROBE_SEED) if key is None else key
     pr = _make_probes(info, key)
-    sites, enters = _probe_sites(info, pr, args, kwargs)
+    sites, enters, finite = _probe_sites(info, pr, args, kwargs)
+    for attempt, scale in enumerate(PROBE_RETRY_SCALES):
+        if finite.all() or not finite[0, 0]:
+            break
+        # a perturbed probe where the model is not finite (e.g. a covariate coefficient
+        # moved by 0.3 on a covariate spanning +-50: no steady state) says nothing about the
+        # model's structure, and its NaN derivatives would make every param seem to enter
+        # every site: redraw it (new directions, then smaller steps)
+        new = _make_probes(info, random.fold_in(key, attempt + 1), scale)
+        pr = pr._replace(
+            theta_c=[old if ok else nw for old, nw, ok in zip(pr.theta_c, new.theta_c,
+                                                                finite[:, 0], strict=True)],
+            z=[old if ok else nw for old, nw, ok in zip(pr.z, new.z, finite[0], strict=True)])
+        sites, enters, finite = _probe_sites(info, pr, args, kwargs)
+    if finite[0, 0] and not finite.all():
+        return None, ("the model is not finite at points near the initial values (the "
+                      "structure probes of the closed-form M-step)")
     cand_lat: dict = {}
     cand_obs: dict = {}
     for n, sp in sites.items():
