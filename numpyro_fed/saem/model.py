@@ -1375,6 +1375,11 @@ def block_jet(value_grad_fn, z, lay):
     return v, g, H
 
 
+#: :func:`centring_design`: a design point whose gradients exceed this many times the
+#: median of the subject's points is scaled down to it.
+CENTRING_OUTLIER = 100.0
+
+
 def centring_design(info: ModelInfo, layout: SubjectLayout, theta_u, z_u_flat, args, kwargs,
                     key, ids: dict | None = None, num_extra: int = 4, rtol: float = 1e-5):
     """The shifts that leave the observation model unchanged: a ``(d_z, d_theta)`` matrix
@@ -1422,15 +1427,23 @@ def centring_design(info: ModelInfo, layout: SubjectLayout, theta_u, z_u_flat, a
     gt, gz = jax.vmap(grads)(thetas, zs)  # (P, n, d), (P, n, q)
     G = jnp.moveaxis(gz, 0, 1)  # (n, P, q)
     R = jnp.moveaxis(gt, 0, 1)  # (n, P, d)
-    # each point's equations scaled to its own size (an exact shift holds at every point
-    # whatever its scale): a point where the subject's gradients are huge would otherwise
-    # set both the least-squares fit and the tolerance below for all the others (Quinidine
-    # with time-varying covariates: a covariate coefficient at -0.36 on WEIGHT 119 gave
-    # gradients of 3e14 at one point, the tolerance 1e11, and a spurious shift of 1.9e8 on
-    # phi_V per unit coefficient -- the chains moved to phi_V = 7e4 and the fit to NaN)
-    w = 1.0 / (jnp.max(jnp.abs(G), axis=2, keepdims=True)
-               + jnp.max(jnp.abs(R), axis=2, keepdims=True) + 1e-30)
-    w = jnp.where(jnp.isfinite(w), w, 0.0)  # a non-finite point: left out
+    # a point whose equations are far larger than the subject's others (CENTRING_OUTLIER x
+    # their median) is scaled down to that size (an exact shift holds at every point
+    # whatever its scale): unscaled, it set both the least-squares fit and the tolerance
+    # below for all the others (Quinidine with time-varying covariates: a covariate
+    # coefficient at -0.36 on WEIGHT 119 gave gradients of 3e14 at one point, the tolerance
+    # 1e11, and a spurious shift of 1.9e8 on phi_V per unit coefficient -- the chains moved
+    # to phi_V = 7e4 and the fit to NaN). Points of ordinary size keep weight 1, so the
+    # design of every other model is unchanged (which of several exact shifts the
+    # minimum-norm solution picks depends on the weights: an intercept split between
+    # nested herd and observation effects). A non-finite point is left out.
+    size = (jnp.max(jnp.abs(G), axis=2, keepdims=True)
+            + jnp.max(jnp.abs(R), axis=2, keepdims=True))  # (n, P, 1)
+    finite_pt = jnp.isfinite(size)
+    size = jnp.where(finite_pt, size, 0.0)
+    med = jnp.nanmedian(jnp.where(finite_pt, size, jnp.nan), axis=1, keepdims=True)
+    w = jnp.where(finite_pt, jnp.minimum(1.0, CENTRING_OUTLIER * med / (size + 1e-30)), 0.0)
+    w = jnp.where(jnp.isfinite(w), w, 0.0)
     G, R = jnp.where(w > 0, G * w, 0.0), jnp.where(w > 0, R * w, 0.0)
     scale = jnp.linalg.norm(G, axis=1) + 1e-30  # (n, q)
     if layout.n == 1 and layout.q > 1 and str(layout.plate).startswith("groups("):
