@@ -1440,10 +1440,9 @@ def centring_design(info: ModelInfo, layout: SubjectLayout, theta_u, z_u_flat, a
     size = (jnp.max(jnp.abs(G), axis=2, keepdims=True)
             + jnp.max(jnp.abs(R), axis=2, keepdims=True))  # (n, P, 1)
     finite_pt = jnp.isfinite(size)
-    size = jnp.where(finite_pt, size, 0.0)
     med = jnp.nanmedian(jnp.where(finite_pt, size, jnp.nan), axis=1, keepdims=True)
-    w = jnp.where(finite_pt, jnp.minimum(1.0, CENTRING_OUTLIER * med / (size + 1e-30)), 0.0)
-    w = jnp.where(jnp.isfinite(w), w, 0.0)
+    w = jnp.minimum(1.0, CENTRING_OUTLIER * med / (size + 1e-30))
+    w = jnp.where(finite_pt & jnp.isfinite(w), w, 0.0)
     G, R = jnp.where(w > 0, G * w, 0.0), jnp.where(w > 0, R * w, 0.0)
     scale = jnp.linalg.norm(G, axis=1) + 1e-30  # (n, q)
     if layout.n == 1 and layout.q > 1 and str(layout.plate).startswith("groups("):
