@@ -262,10 +262,12 @@ def test_federated_saem_on_a_degenerate_variance_is_not_silent():
 
 @pytest.mark.slow  # a PKModel fit (~30-100 s on 2 cores)
 def test_parameters_running_off_on_degenerate_pk_data_are_named():
-    """Theophylline with every DV = 0 and the PKModel defaults: a volume V -> infinity fits
-    the zeros best, so mu_V = log V runs off (3 -> ~57 in 6 iterations) until the model is not
-    finite. The error names the parameters that ran off and the data, instead of only
-    "declare each param's constraint" (they are declared)."""
+    """Theophylline with every DV = 0 and the PKModel defaults: predictions of 0 fit the
+    zeros best, and a volume V -> infinity, a clearance CL -> infinity or an absorption
+    KA -> 0 all give them, so the structural parameters run off until the model is not
+    finite (which of them depends on the path: mu_V once; mu_CL and mu_KA now, 18
+    iterations). The error names the parameters that ran off and the data, instead of only
+    "declare each param's constraint" (they are declared) or blaming the M-step."""
     from numpyro_fed import nlme
 
     frame = nlme.load_theophylline().to_dataframe()
@@ -274,7 +276,10 @@ def test_parameters_running_off_on_degenerate_pk_data_are_named():
     pk = nlme.PKModel(nlme.one_compartment(absorption="first_order"),
                       params={"KA": 1.0, "V": 20.0, "CL": 0.5})
     with pytest.raises(DivergenceError, match=(
-            r"Before that, (.*, )?'mu_V' ran from 2\.996 \(theta_0\) to \d+\.?\d*.* in \d+ "
-            r"iterations?: the data do not determine (it|them) \(a degenerate data set")) as err:
+            r"Before that, '(mu_CL|mu_V|mu_KA)' ran from -?\d+\.?\d* \(theta_0\) to "
+            r"-?\d+\.?\d*.* in \d+ iterations?: the data do not determine (it|them) \(a "
+            r"degenerate data set")) as err:
         pk.fit(data, random.key(0))
-    assert "Declare each param's constraint" not in str(err.value)
+    msg = str(err.value)
+    assert "Declare each param's constraint" not in msg
+    assert "M-step is not defined" not in msg and "Check it" not in msg

@@ -515,6 +515,14 @@ def test_error_negative_time():
         PKDataset.from_dataframe(_set(_base(), 0, TIME=-1.0))
 
 
+def test_error_negative_amount_without_evid():
+    # without EVID the row would otherwise be read as an observation with a missing DV
+    df = _set(_base(), 3, AMT=-5.0).drop(columns=["EVID", "MDV"])
+    with pytest.raises(ValueError, match=r"'AMT' \(amt=\) = -5 at subject 2, row 3: amounts "
+                       r"must be >= 0"):  # fmt: skip
+        PKDataset.from_dataframe(df)
+
+
 @pytest.mark.parametrize("amt", [NAN, 0.0, -5.0])
 def test_error_dose_amount(amt):
     with pytest.raises(ValueError, match=r"dose \(EVID=1\) with amount 'AMT' \(amt=\) = .* at "

@@ -229,8 +229,10 @@ def test_piecewise_equals_closed_form_for_constant_parameters(n, absorption):
         for d in (_doses(ncmt), _doses(ncmt, rates=(0.0, 25.0, 0.0, 30.0, 20.0, 0.0, 0.0))):
             d = d._replace(cmt=np.where(np.arange(7) == 3, ncmt if d.rate[3] else 1,
                                         d.cmt))
-            ref = np.asarray(m(p, jnp.asarray(T_OBS), d))
-            out = np.asarray(predict_piecewise(m, po, pd_, T_OBS, d))
+            # compiled (dispatching the operations one by one compiles each: 3-4x slower)
+            ref = np.asarray(jax.jit(lambda p, d=d: m(p, jnp.asarray(T_OBS), d))(p))
+            out = np.asarray(jax.jit(lambda po, pd_, d=d: predict_piecewise(
+                m, po, pd_, T_OBS, d))(po, pd_))
             np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
 
 
@@ -402,20 +404,22 @@ def test_solve_small_against_numpy():
     from numpyro_fed.nlme.timevarying import expm_small, rate_matrix, solve_small
 
     rng = np.random.default_rng(1)
+    expm = jax.jit(expm_small)
     with jax.enable_x64(True):
         cases = []
         for n in (1, 2, 3):
             for ii in (0.05, 2.0, 24.0, 500.0):
                 q = {k: jnp.asarray(P[k] * np.exp(0.5 * rng.normal())) for k in P}
                 cases.append((np.eye(n + 1)
-                              - np.asarray(expm_small(rate_matrix(q, n, True) * ii)),
+                              - np.asarray(expm(rate_matrix(q, n, True) * ii)),
                               rng.uniform(1, 100, size=n + 1)))
         for n in (2, 3, 5):
             A = rng.normal(size=(n, n))
             A[0, 0] = 0.0
             cases += [(A, rng.normal(size=n)), (A, rng.normal(size=(n, 3)))]
+        solve = jax.jit(solve_small)
         for A, b in cases:
-            out = np.asarray(solve_small(jnp.asarray(A), jnp.asarray(b)))
+            out = np.asarray(solve(jnp.asarray(A), jnp.asarray(b)))
             np.testing.assert_allclose(out, np.linalg.solve(A, b), rtol=1e-12, atol=1e-12)
 
 
@@ -562,6 +566,9 @@ def test_subjects_by_id(md_fit, tmp_path):
     assert list(fit.individual_estimates(positions=[2, 0]).index) == [107, 101]
     fig = fit.plot_individual_fits(tmp_path / "ind.png", subjects=[104, 146])
     assert [a.get_title() for a in fig.axes[:2]] == ["ID 104", "ID 146"]
+    # one subject, one panel (no empty columns of the default 4)
+    fig = fit.plot_individual_fits(tmp_path / "one.png", subjects=[107])
+    assert [a.get_title() for a in fig.axes] == ["ID 107"]
     for call in (lambda s: fit.plot_individual_fits(subjects=s),
                  lambda s: fit.individual_estimates(subjects=s),
                  lambda s: fit.predictions(subjects=s),
@@ -648,6 +655,10 @@ def test_diagnostics_reuse_their_programs(md_fit, tmp_path):
     m = a["mask"]
     assert a["f"].shape[0] == a["dv"].shape[0] == R
     np.testing.assert_array_equal(a["dv"], b["dv"])
+    # the padding of subjects with fewer samples is NaN, every observation finite
+    assert not m.all(), "the test data need a subject with fewer samples"
+    for v in (a["f"], a["dv"]):
+        assert np.all(np.isnan(v[:, ~m])) and np.all(np.isfinite(v[:, m]))
     # the last 7 replicates are distinct draws, not copies of the padding row
     last = a["f"][-7:][:, m]
     assert np.all(np.isfinite(last)) and len({float(x.sum()) for x in last}) == 7

@@ -96,6 +96,10 @@ def test_builder_errors_name_the_thing():
         nlme.PKModel(one, params={"CL": 0.01})
     with pytest.raises(ValueError, match="'KA'.*unknown to the structural model"):
         nlme.PKModel(one, params={"CL": 0.01, "V": 1.0, "KA": 1.0})
+    # a misspelt name: named as given, with the name it most likely meant
+    with pytest.raises(ValueError, match=r"params has \['CLX'\], unknown to the structural "
+                       r"model; it lacks \['CL'\].*did you mean 'CL' for 'CLX'\?"):
+        nlme.PKModel(one, params={"CLX": 0.01, "V": 1.0})
     with pytest.raises(ValueError, match="params\\['CL'\\].value=-1"):
         nlme.PKModel(one, params={"CL": -1.0, "V": 1.0})
     with pytest.raises(ValueError, match="transform='exp'"):

@@ -437,6 +437,15 @@ def _row_kinds(tab: _Table) -> _Kinds:
     else:
         ev = np.zeros(n_rows, dtype=np.int64)
         if amt_v is not None:
+            # without EVID a row is a dose when its amount is > 0; a negative amount is no
+            # dose and no observation: refused (it would be read as an observation)
+            neg = np.flatnonzero(np.nan_to_num(amt_v) < 0)
+            if neg.size:
+                raise ValueError(
+                    f"{cols['amt']!r} (amt=) = {amt_v[neg[0]]:g} at {tab.where(neg[0])}: "
+                    "amounts must be >= 0 (with no EVID column, a row with an amount > 0 is "
+                    "a dose)."
+                )
             ev[np.nan_to_num(amt_v) > 0] = 1
     is_dose = ev == 1
     if cols["mdv"] is not None:

@@ -460,7 +460,8 @@ class NLMEFit:
             (new occasions), except with ``new_subjects=False`` on the fitted data itself
             (``data=None``), which keeps their conditional modes.
         :return: ``{"f": (R, n, T) structural predictions, "dv": (R, n, T) simulated
-            observations (uncensored), "mask": (n, T)}``.
+            observations (uncensored), "mask": (n, T)}``; ``f`` and ``dv`` are NaN where
+            ``mask`` is False (the padding of subjects with fewer samples than ``T``).
         """
         num_replicates = check_int("num_replicates", num_replicates, minimum=1)
         pk = self.pk
@@ -521,8 +522,11 @@ class NLMEFit:
             keep = min(C, R - lo)
             fs.append(np.asarray(f)[:keep])
             ys.append(np.asarray(y)[:keep])
-        return {"f": np.concatenate(fs), "dv": np.concatenate(ys),
-                "mask": np.asarray(arrays["obs_mask"], bool)}
+        mask = np.asarray(arrays["obs_mask"], bool)
+        # the padded slots of subjects with fewer samples are no observations: NaN, not a
+        # prediction at a padded time that could be read as one
+        return {"f": np.where(mask, np.concatenate(fs), np.nan),
+                "dv": np.where(mask, np.concatenate(ys), np.nan), "mask": mask}
 
     def npde(self, rng_key: jax.Array, num_sims: int = 1000, *, subjects=None,
              positions=None):
@@ -723,6 +727,7 @@ class NLMEFit:
         ipred = self._predict_phi(_take(self._phi("mode"), idx), sub, grid,
                                   self.occasion_effects("mode") or None)
         pred = self._predict_phi(_take(self._phi("typical"), idx), sub, grid)
+        ncols = max(1, min(int(ncols), len(idx)))  # fewer subjects: no empty columns
         nrows = -(-len(idx) // ncols)
         fig, ax = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 2.6 * nrows),
                                squeeze=False)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -495,14 +496,19 @@ class PKModel:
             n: dataclasses.replace(q, covariates=dict(q.covariates))
             for n, q in ((n, _as_param(n, p)) for n, p in params.items())})
         missing = [n for n in required if n not in self.params]
-        if missing:
-            raise ValueError(f"params lacks {missing}, required by the structural model "
-                             f"(it needs {list(required)}; optional: {sorted(optional)}).")
-        if required or optional:
-            unknown = [n for n in self.params if n not in required and n not in optional]
-            if unknown:
-                raise ValueError(f"params has {unknown}, unknown to the structural model "
-                                 f"(required {list(required)}, optional {sorted(optional)}).")
+        unknown = ([n for n in self.params if n not in required and n not in optional]
+                   if required or optional else [])
+        if missing or unknown:
+            # a misspelt name is both: name the one given first, with the likely intended one
+            hint = ""
+            if unknown and missing:
+                near = difflib.get_close_matches(unknown[0], missing, n=1, cutoff=0.0)
+                hint = f"; did you mean {near[0]!r} for {unknown[0]!r}?" if near else ""
+            what = (f"params has {unknown}, unknown to the structural model" if unknown
+                    else f"params lacks {missing}, required by the structural model")
+            also = f"; it lacks {missing}" if unknown and missing else ""
+            raise ValueError(f"{what}{also} (required {list(required)}, optional "
+                             f"{sorted(optional)}){hint}.")
         if omega not in ("diag", "full"):
             raise ValueError(f"omega={omega!r}: use 'diag' or 'full'.")
         self.structural = structural

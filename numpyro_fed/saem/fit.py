@@ -828,12 +828,15 @@ class SAEM:
             what = ("your SufficientStatistics maximizer"
                     if isinstance(st.mstep, UserMStep)
                     else f"the {st.mstep.kind} M-step")
+            head = (f"SAEM: the M-step gave a non-finite theta at iteration {bad}, from "
+                    f"theta={theta} and finite latents (E-step: {summary})")
+            if ran and not isinstance(st.mstep, UserMStep):
+                # the cause is parameters running off (degenerate data), not the M-step
+                return DivergenceError(head + "." + ran)
             return DivergenceError(
-                f"SAEM: the M-step gave a non-finite theta at iteration {bad}, from "
-                f"theta={theta} and finite latents (E-step: {summary}): {what} is not "
-                "defined at these statistics. Check it (a variance from a negative difference, "
-                "a division by a zero count), declare each param's constraint, or give "
-                "`init_params` closer to the data." + ran
+                head + f": {what} is not defined at these statistics. Check it (a variance "
+                "from a negative difference, a division by a zero count), declare each "
+                "param's constraint, or give `init_params` closer to the data." + ran
             )
         return DivergenceError(
             f"SAEM: the E-step became non-finite at iteration {bad} with theta={theta} "
