@@ -275,8 +275,11 @@ def _ode_piecewise(n, absorption, t_obs, doses, p_at):
         if t > t_prev:
             cuts = sorted({t_prev, t} | {float(e) for s0, e, *_ in infs if t_prev < e < t})
             for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+                # times and parameters as arrays: Python floats are static to diffrax's
+                # filter_jit, which would compile the solve again for every interval
                 sol = diffrax.diffeqsolve(
-                    term, diffrax.Tsit5(), a, b, 0.01, A, args=q_prev,
+                    term, diffrax.Tsit5(), jnp.asarray(a), jnp.asarray(b), jnp.asarray(0.01),
+                    A, args={k: jnp.asarray(v) for k, v in q_prev.items()},
                     stepsize_controller=diffrax.PIDController(rtol=1e-11, atol=1e-13),
                     max_steps=100000)
                 A = sol.ys[-1]
@@ -317,14 +320,14 @@ def test_piecewise_parameters_against_an_ode_solution(n, absorption):
         for idx, (_, kind, j) in enumerate(recs):
             for k in names:
                 (po if kind else pd_)[k][j] = p_at(idx)[k]
-        out = np.asarray(predict_piecewise(m, {k: jnp.asarray(v) for k, v in po.items()},
-                                           {k: jnp.asarray(v) for k, v in pd_.items()},
-                                           t_obs, d))
+        out = np.asarray(jax.jit(lambda po, pd_: predict_piecewise(m, po, pd_, t_obs, d))(
+            {k: jnp.asarray(v) for k, v in po.items()},
+            {k: jnp.asarray(v) for k, v in pd_.items()}))
         ref = _ode_piecewise(n, absorption, t_obs, d, p_at)
         np.testing.assert_allclose(out, ref, rtol=1e-8)
         # the closed form at the first record's parameters is not it (the check has teeth)
-        const = np.asarray(m({k: jnp.asarray(v) for k, v in p_at(0).items()},
-                             jnp.asarray(t_obs), d))
+        const = np.asarray(jax.jit(lambda p: m(p, jnp.asarray(t_obs), d))(
+            {k: jnp.asarray(v) for k, v in p_at(0).items()}))
         assert np.max(np.abs(const / ref - 1)) > 0.05
 
 
