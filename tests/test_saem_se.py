@@ -120,6 +120,46 @@ def test_louis_on_request_warns_that_it_is_imprecise(orthodont):
     assert orthodont.fisher_method == "louis"
 
 
+def test_louis_standard_errors_beyond_their_error_are_nan(orthodont):
+    """A standard error whose Monte Carlo error is above SE_MC_MAX (100%) is NaN, not a
+    number that could be anything from 0 to twice itself (grouseticks' three nested
+    intercepts: an SE of 0.0035 against the exact 0.239). The Louis information on 3 draws
+    per chain of the orthodont fit (a copy of it): errors of 1.5-3x on several coordinates;
+    those are NaN in standard_errors and parameter_table and named in the warning, and a
+    coordinate below the limit keeps its value."""
+    import copy
+
+    from numpyro_fed.saem.result import SE_MC_MAX
+
+    # the first few draws per chain that give both kinds of coordinate (5 on the fit of
+    # today: errors 1.3-1.5 on beta0, omega[0], omega[1]; 0.6 on beta_sex, sigma)
+    for k in (5, 4, 6, 8, 10):
+        few = copy.copy(orthodont)
+        few._fisher = {}
+        few.z_draws = np.asarray(orthodont.z_draws)[:k]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            few.fisher_information("louis")
+        rel = few.fisher_mc_error
+        noisy = [n for n, r in zip(few.names, rel, strict=True) if r > SE_MC_MAX]
+        precise = [n for n, r in zip(few.names, rel, strict=True) if r <= SE_MC_MAX]
+        if noisy and precise:
+            break
+    assert noisy and precise, rel
+    with pytest.warns(UserWarning, match=r"Louis standard errors .* reported NaN"):
+        se = few.standard_errors(method="louis")
+    assert all(np.isnan(se[n]) for n in noisy)
+    assert all(np.isfinite(se[n]) for n in precise), (rel, dict(se))
+    with pytest.warns(UserWarning, match="reported NaN"):
+        tab = few.parameter_table(method="louis", scale="sd")
+    for n in noisy + precise:  # (beta_age's Louis variance is negative here: NaN anyway)
+        assert np.isnan(tab.loc[n, "se"]) == (n in noisy), n
+    # the fit itself: every Louis SE below the limit, none NaN for it
+    orthodont.standard_errors(method="louis")
+    assert not [n for n, r in zip(orthodont.names, orthodont.fisher_mc_error, strict=True)
+                if r > SE_MC_MAX]
+
+
 def test_parameter_table_scales(orthodont):
     """Variance scale (default) vs SD scale: the same fit, omega^2 rows with SE 2 omega
     SE(omega) and the same RSE doubled; fixed effects unchanged."""
