@@ -120,7 +120,7 @@ def test_louis_on_request_warns_that_it_is_imprecise(orthodont):
     assert orthodont.fisher_method == "louis"
 
 
-def test_louis_standard_errors_beyond_their_error_are_nan(orthodont):
+def test_louis_standard_errors_beyond_their_error_are_nan(orthodont, monkeypatch):
     """A standard error whose Monte Carlo error is above SE_MC_MAX (100%) is NaN, not a
     number that could be anything from 0 to twice itself (grouseticks' three nested
     intercepts: an SE of 0.0035 against the exact 0.239). The Louis information on 3 draws
@@ -128,8 +128,9 @@ def test_louis_standard_errors_beyond_their_error_are_nan(orthodont):
     those are NaN in standard_errors and parameter_table and named in the warning, and a
     coordinate below the limit keeps its value."""
     import copy
+    import re
 
-    from numpyro_fed.saem.result import SE_MC_MAX
+    from numpyro_fed.saem.result import LOUIS_MAX_ADVISED_DRAWS, SE_MC_MAX
 
     # the first few draws per chain that give both kinds of coordinate (5 on the fit of
     # today: errors 1.3-1.5 on beta0, omega[0], omega[1]; 0.6 on beta_sex, sigma)
@@ -146,8 +147,18 @@ def test_louis_standard_errors_beyond_their_error_are_nan(orthodont):
         if noisy and precise:
             break
     assert noisy and precise, rel
-    with pytest.warns(UserWarning, match=r"Louis standard errors .* reported NaN"):
+    with pytest.warns(UserWarning, match=r"Louis standard errors .* reported NaN") as rec:
         se = few.standard_errors(method="louis")
+    # the advice is a number of draws a fit can run, or the marginal likelihood's Hessian
+    advice = [str(w.message) for w in rec if "Louis standard errors" in str(w.message)][0]
+    m = re.search(r"num_draws=(\d+)", advice)
+    assert m is not None and int(m.group(1)) <= LOUIS_MAX_ADVISED_DRAWS, advice
+    # a number of draws beyond what a fit runs is not advised (grouseticks: 258,311,773)
+    monkeypatch.setattr("numpyro_fed.saem.result.LOUIS_MAX_ADVISED_DRAWS", 10)
+    with pytest.warns(UserWarning, match=r"draws per chain at the final theta, more than a "
+                      r"fit can run: use fisher_information\(method='is'\)") as rec:
+        few.standard_errors(method="louis")
+    assert not [w for w in rec if "num_draws=" in str(w.message)]
     assert all(np.isnan(se[n]) for n in noisy)
     assert all(np.isfinite(se[n]) for n in precise), (rel, dict(se))
     with pytest.warns(UserWarning, match="reported NaN"):

@@ -281,6 +281,11 @@ SE_MC_REL = 0.1
 #: 400 draws: a missing information 3214x the variance, an SE of 0.0035 against the exact
 #: 0.239)
 SE_MC_MAX = 1.0
+#: most draws per chain that the Louis precision warning advises (``num_draws``): beyond, a
+#: fit cannot reasonably run them (``num_draws`` is at most
+#: :data:`~numpyro_fed.saem.schedule.MAX_ITERATIONS`) and it advises the marginal
+#: likelihood's Hessian instead (grouseticks' nested intercepts: 258,311,773 was advised)
+LOUIS_MAX_ADVISED_DRAWS = 100_000
 
 #: most latent coordinates per group for the importance-sampling information
 #: (``fisher_information(method="is")``, chosen by ``"auto"`` between the Gauss--Hermite
@@ -752,17 +757,22 @@ class SAEMResult:
             S = self.louis_num_draws
             need = int(np.ceil(S * (worst / SE_MC_REL) ** 2))
             per_chain = -(-need // max(int(self.z_draws.shape[1]), 1))
+            hessian = ("fisher_information(method='is') / 'gq' (the marginal likelihood's "
+                       "Hessian)")
+            if per_chain <= LOUIS_MAX_ADVISED_DRAWS:
+                fix = (f"For {SE_MC_REL:.0%}, use SAEM(..., num_draws={per_chain}) (draws per "
+                       f"chain at the final theta; weakly identified variances need many), or "
+                       f"{hessian}.")
+            else:  # no fit runs that many draws (num_draws is at most MAX_ITERATIONS)
+                fix = (f"{SE_MC_REL:.0%} would take {per_chain:,} draws per chain at the "
+                       f"final theta, more than a fit can run: use {hessian} instead.")
             warnings.warn(
                 "SAEM: the Louis standard errors of "
                 + ", ".join(f"'{n}' (missing information {x:.0f}x its variance)" for n, x, b
                             in zip(names, r, bad, strict=True) if b)
                 + f" rest on a missing-information term estimated from {S} latent draws: "
                 f"their Monte Carlo error is about {worst:.0%} (r / sqrt(2 S), more for "
-                f"autocorrelated draws){self._nan_note(rel)}. For {SE_MC_REL:.0%}, use "
-                "SAEM(..., num_draws="
-                f"{per_chain}) (draws per chain at the final theta; weakly identified "
-                "variances need many), or fisher_information(method='is') / 'gq' (the "
-                "marginal likelihood's Hessian).", stacklevel=3)
+                f"autocorrelated draws){self._nan_note(rel)}. " + fix, stacklevel=3)
         else:
             S = int(self._fisher_num_samples or 0)
             need = int(np.ceil(S * (worst / SE_MC_REL) ** 2 / 1000.0)) * 1000
