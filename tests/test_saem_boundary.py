@@ -153,6 +153,10 @@ def test_normal_normal_at_its_boundary_finishes_singular(seed):
                              if issubclass(w.category, ConvergenceWarning)), (what, texts)
         assert all("of a boundary (singular) fit: ['omega'] end at the boundary" in t
                    and "has not converged" not in t for t in texts), (what, texts)
+        # each says what the boundary means for itself (the -2LL's said "their standard
+        # errors are NaN")
+        assert all(("standard errors are NaN" in t) == (what == "standard errors")
+                   for t in texts), (what, texts)
 
 
 def test_normal_normal_inside_is_not_singular():

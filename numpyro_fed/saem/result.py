@@ -665,11 +665,14 @@ class SAEMResult:
         if msgs and all(m.startswith(_SINGULAR_PREFIX) for m in msgs):
             # a boundary fit and nothing else: its estimates are the maximum on the boundary
             # (not "a fit that has not converged"); say what that means for ``what``
+            meaning = ("their standard errors are NaN and the others' are on the face of the "
+                       "boundary, as lme4 reports them" if what == "standard errors" else
+                       "it is the maximum on the boundary (a model without those terms has the "
+                       "same likelihood there), as lme4 reports it")
             warnings.warn(
                 f"SAEM: {what} of a boundary (singular) fit: {self.singular_params} end at the "
-                "boundary of their support, where the maximum likelihood is; their standard "
-                "errors are NaN and the others' are on the face of the boundary, as lme4 "
-                f"reports them (see SAEMResult.singular). {msgs[0]}",
+                f"boundary of their support, where the maximum likelihood is; {meaning} (see "
+                f"SAEMResult.singular). {msgs[0]}",
                 SingularFitWarning, stacklevel=3)
         elif msgs:
             why = " | ".join(msgs)
