@@ -775,7 +775,7 @@ class SAEMResult:
                             in zip(names, r, bad, strict=True) if b)
                 + f" rest on a missing-information term estimated from {S} latent draws: "
                 f"their Monte Carlo error is about {worst:.0%} (r / sqrt(2 S), more for "
-                f"autocorrelated draws){self._nan_note(rel)}. " + fix, stacklevel=3)
+                f"autocorrelated draws){self._nan_note()}. " + fix, stacklevel=3)
         else:
             S = int(self._fisher_num_samples or 0)
             need = int(np.ceil(S * (worst / SE_MC_REL) ** 2 / 1000.0)) * 1000
@@ -784,11 +784,11 @@ class SAEMResult:
                 + ", ".join(f"'{n}'" for n, b in zip(names, bad, strict=True) if b)
                 + f" (method={self.fisher_method!r}, {S} importance draws per group) have a "
                 f"Monte Carlo error of about {worst:.0%} (the spread of 8 independent "
-                f"batches){self._nan_note(rel)}. For {SE_MC_REL:.0%}, use "
+                f"batches){self._nan_note()}. For {SE_MC_REL:.0%}, use "
                 f"standard_errors(num_samples={need}).",
                 stacklevel=3)
 
-    def _nan_note(self, rel: np.ndarray) -> str:
+    def _nan_note(self) -> str:
         """The part of the precision warning that names the SEs reported NaN."""
         noisy = sorted(self._imprecise(), key=list(self.names).index)
         if not noisy:
