@@ -1289,6 +1289,25 @@ def pad_mask(zidx) -> np.ndarray:
     return np.asarray(zidx) < 0
 
 
+def units_per_block(info: ModelInfo, layout: SubjectLayout) -> int:
+    """The most random-effect *units* of one latent site in one block: a unit is one element
+    of the site's batch shape (its event dimensions, e.g. a random intercept and slope
+    written ``.to_event(1)``, are one unit). 1 for one level of random effects per subject;
+    more for nested levels inside a block -- the casks of a batch, the broods of a location,
+    a subject's occasions (inter-occasion variability), observation-level effects."""
+    zidx = np.asarray(layout.zidx)
+    best, start = 1, 0
+    for nm in info.latent_names:  # the flat order of z (ravel_pytree: sorted names)
+        size = int(np.prod(info.z_u_shapes[nm], dtype=np.int64))
+        batch = int(np.prod(info.trace0[nm]["fn"].batch_shape, dtype=np.int64))
+        per_unit = max(1, size // max(1, batch))
+        inside = ((zidx >= start) & (zidx < start + size)).sum(1)  # (n,)
+        if inside.size:
+            best = max(best, int(inside.max()) // per_unit)
+        start += size
+    return best
+
+
 def pad_log_density(xb, zidx):
     """The standard normal log-density of the padded entries of blocks ``xb``
     ``(..., n, q)``, per subject ``(..., n)`` (0 without padding)."""
