@@ -74,34 +74,39 @@ __all__ = ["SAEM", "SAEMFailure", "SAEMProgram", "SAEMState", "Failure", "fit_sa
 
 #: chains x subjects aimed at by the default number of chains
 MIN_CHAIN_SUBJECTS = 50
-#: chains x top-level groups aimed at by the default when the blocks hold nested levels of
-#: random effects (:func:`~numpyro_fed.saem.model.units_per_block` > 1: casks in batches,
-#: broods in locations, occasions in subjects). How a variance splits between two nested
-#: levels is weakly determined: the likelihood has a flat shoulder towards a small upper-level
-#: variance, where EM moves at a crawl, and the Monte Carlo noise of the exploration phase
-#: (steps of 1) walks the estimate onto it. Measured with 50 (the default before): lme4's
-#: grouseticks, Poisson (1|LOCATION) + (1|BROOD) (63 locations, 2 chains), seed 2 ended at
-#: tau_location 0.145 against the MLE 0.583, exact -2LL 2.14 above the minimum, with no
-#: warning, and 4 seeds of 6 missed the variance target; simulated IOV (30 subjects x 2
-#: occasions, 2 chains) seed 1 ended with omega_CL 0.42 SE off. With 8 chains (504) the six
-#: grouseticks seeds end 0.010-0.127 above the minimum; 16 chains on the IOV data 0.004
-#: (seed 1). Pastes (10 batches, 5 chains): seed 0 tau_batch^2 0.34 SE off, 0.03 with 48.
-MIN_CHAIN_NESTED_GROUPS = 500
+#: chains x top-level groups aimed at by the default, per nested level of random effects in
+#: the blocks (a latent site with several units in a block,
+#: :func:`~numpyro_fed.saem.model.units_per_block`: casks in batches, broods in locations,
+#: occasions in subjects). How a variance splits between nested levels is weakly determined:
+#: the likelihood has a flat shoulder towards a small upper-level variance, where EM moves at a
+#: crawl, and the Monte Carlo noise of the exploration phase (steps of 1) walks the estimate
+#: onto it. Measured on lme4's grouseticks, Poisson (1|LOCATION) + (1|BROOD), 63 locations,
+#: seeds 0-5 (exact -2LL above the minimum; tau_location^2 error in SE of the exact
+#: information): 2 chains (the subjects' rule) -- seed 2 at 2.14 with tau_location 0.145
+#: against the MLE 0.583 and no warning, 4 seeds of 6 off target; 8 chains -- 0.010-0.127,
+#: seed 3 -0.34 SE (22%) without a warning; 16 chains -- 0.005-0.061, at most 0.24 SE. With a
+#: third level (the chicks' observation-level effects, 2 nested levels): 16 chains left
+#: seed 2 0.36 SE off, 32 chains 0.011-0.157, at most 0.35 SE (seed 2). Simulated IOV (30
+#: subjects x 2 occasions): 2 chains, seed 1 omega_CL 0.42 SE off; 17 chains, 0.001-0.022
+#: above the minimum on seeds 0-3. Pastes (10 batches, 5 chains): seed 0 tau_batch^2 0.34 SE
+#: off, 0.03 SE with 48.
+MIN_CHAIN_NESTED_GROUPS = 1000
 #: the most chains the default gives a model with nested levels (Oats: 6 blocks)
 MAX_NESTED_CHAINS = 64
 
 
 def default_num_chains(info: ModelInfo, layout: SubjectLayout, has_subjects: bool) -> int:
     """The default number of chains: ``max(2, ceil(MIN_CHAIN_SUBJECTS / subjects))``;
-    with nested levels of random effects in a block, at least
-    ``min(MAX_NESTED_CHAINS, ceil(MIN_CHAIN_NESTED_GROUPS / groups))``; 2 without a subject
-    structure."""
+    with ``L`` nested levels of random effects in the blocks (latent sites with several units
+    in a block), at least ``min(MAX_NESTED_CHAINS, ceil(L * MIN_CHAIN_NESTED_GROUPS /
+    groups))``; 2 without a subject structure."""
     if not has_subjects:
         return 2
     n = layout.n
     c = max(2, math.ceil(MIN_CHAIN_SUBJECTS / n))
-    if n > 1 and units_per_block(info, layout) > 1:
-        c = max(c, min(MAX_NESTED_CHAINS, math.ceil(MIN_CHAIN_NESTED_GROUPS / n)))
+    levels = sum(u > 1 for u in units_per_block(info, layout).values())
+    if n > 1 and levels:
+        c = max(c, min(MAX_NESTED_CHAINS, math.ceil(levels * MIN_CHAIN_NESTED_GROUPS / n)))
     return c
 
 
@@ -328,11 +333,11 @@ class SAEM:
         ``max(2, ceil(50 / number of subjects))`` (2 without a subject plate): chains x
         subjects >= 50 as in saemix, and at least two chains, which halves the Monte Carlo
         variance of the statistics of a model with many subjects at twice the E-step cost.
-        When a subject (group) holds nested levels of random effects (the casks of a batch,
-        the broods of a location, a subject's occasions), at least ``min(64, ceil(500 /
-        groups))`` (:data:`MIN_CHAIN_NESTED_GROUPS`): the split of a variance between the
-        levels is weakly determined, and with fewer chains the exploration phase's noise
-        left estimates far from the maximum without a warning.
+        When the subjects (groups) hold ``L`` nested levels of random effects (the casks of
+        a batch, the broods of a location, a subject's occasions), at least ``min(64,
+        ceil(1000 L / groups))`` (:data:`MIN_CHAIN_NESTED_GROUPS`): the split of a variance
+        between the levels is weakly determined, and with fewer chains the exploration
+        phase's noise left estimates far from the maximum without a warning.
     :param schedule: a :class:`Schedule` (default: saemix's, see :class:`Schedule`).
     :param mstep: ``"auto"`` (closed-form Gaussian where recognised, SA-Newton for the other
         parameters), ``"gaussian"`` (the same, but an error if nothing is recognised),
