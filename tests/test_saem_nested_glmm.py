@@ -220,3 +220,45 @@ def test_three_nested_levels_are_laid_out_by_location_and_reach_the_maximum():
     assert gap < 0.5, (gap, e)
     for k, j in (("tau_b", 4), ("tau_l", 5), ("tau_i", 6)):
         assert abs(e[k] ** 2 - r["nat"][j]) <= 0.5 * r["se"][j], (k, e[k] ** 2, r["nat"][j])
+
+
+def test_nested_chain_rule_levels_and_caps():
+    """The rule on layouts built by hand (no model): one level per subject -> the subjects'
+    rule; each nested level adds MIN_CHAIN_NESTED_GROUPS chain x groups; at most
+    MAX_NESTED_CHAINS chains, and at most MAX_NESTED_CHAIN_LATENTS latents over the chains
+    (never below the subjects' rule)."""
+    from types import SimpleNamespace
+
+    from numpyro_fed.saem.fit import (
+        MAX_NESTED_CHAIN_LATENTS,
+        MAX_NESTED_CHAINS,
+        default_num_chains,
+    )
+    from numpyro_fed.saem.model import SubjectLayout
+
+    def layout(n, sizes):
+        """``n`` groups; per group ``sizes[site]`` units of each site (sorted names)."""
+        names = sorted(sizes)
+        info = SimpleNamespace(
+            latent_names=names,
+            z_u_shapes={k: (n * sizes[k],) for k in names},
+            trace0={k: {"fn": SimpleNamespace(batch_shape=(n * sizes[k],))} for k in names},
+            dim_z=n * sum(sizes.values()))
+        zidx, start = [[] for _ in range(n)], 0
+        for k in names:
+            for g in range(n):
+                zidx[g] += list(range(start + g * sizes[k], start + (g + 1) * sizes[k]))
+            start += n * sizes[k]
+        return info, SubjectLayout("groups(a/b)", n, len(zidx[0]), np.asarray(zidx), ())
+
+    assert default_num_chains(*layout(12, {"eta": 1}), True) == 5  # ceil(50 / 12)
+    assert default_num_chains(*layout(12, {"eta": 1}), False) == 2
+    assert default_num_chains(*layout(63, {"v": 1, "u": 3}), True) == 16  # ceil(1000 / 63)
+    assert default_num_chains(*layout(63, {"v": 1, "u": 3, "e": 9}), True) == 32  # 2 levels
+    assert default_num_chains(*layout(6, {"v": 1, "u": 3}), True) == MAX_NESTED_CHAINS
+    # 20 schools of 1000 pupils: 20020 latents -> 9 chains (200000 // 20020), not 50
+    info, lay = layout(20, {"school": 1, "pupil": 1000})
+    assert default_num_chains(info, lay, True) == MAX_NESTED_CHAIN_LATENTS // info.dim_z == 9
+    # ... and the cap never goes below the subjects' rule
+    info, lay = layout(5, {"school": 1, "pupil": 100_000})
+    assert default_num_chains(info, lay, True) == 10  # ceil(50 / 5)

@@ -93,20 +93,26 @@ MIN_CHAIN_SUBJECTS = 50
 MIN_CHAIN_NESTED_GROUPS = 1000
 #: the most chains the default gives a model with nested levels (Oats: 6 blocks)
 MAX_NESTED_CHAINS = 64
+#: ... and at most this many latent coordinates over its chains (the kept draws are a
+#: ``(num_draws, chains, latents)`` buffer: 200 x 2e5 floats = 160 MB; a few schools with
+#: thousands of pupils' effects each would otherwise get 64 chains of every pupil)
+MAX_NESTED_CHAIN_LATENTS = 200_000
 
 
 def default_num_chains(info: ModelInfo, layout: SubjectLayout, has_subjects: bool) -> int:
     """The default number of chains: ``max(2, ceil(MIN_CHAIN_SUBJECTS / subjects))``;
     with ``L`` nested levels of random effects in the blocks (latent sites with several units
     in a block), at least ``min(MAX_NESTED_CHAINS, ceil(L * MIN_CHAIN_NESTED_GROUPS /
-    groups))``; 2 without a subject structure."""
+    groups), MAX_NESTED_CHAIN_LATENTS // latents)``; 2 without a subject structure."""
     if not has_subjects:
         return 2
     n = layout.n
     c = max(2, math.ceil(MIN_CHAIN_SUBJECTS / n))
     levels = sum(u > 1 for u in units_per_block(info, layout).values())
     if n > 1 and levels:
-        c = max(c, min(MAX_NESTED_CHAINS, math.ceil(levels * MIN_CHAIN_NESTED_GROUPS / n)))
+        nested = min(MAX_NESTED_CHAINS, math.ceil(levels * MIN_CHAIN_NESTED_GROUPS / n),
+                     MAX_NESTED_CHAIN_LATENTS // max(1, info.dim_z))
+        c = max(c, nested)
     return c
 
 
@@ -335,9 +341,9 @@ class SAEM:
         variance of the statistics of a model with many subjects at twice the E-step cost.
         When the subjects (groups) hold ``L`` nested levels of random effects (the casks of
         a batch, the broods of a location, a subject's occasions), at least ``min(64,
-        ceil(1000 L / groups))`` (:data:`MIN_CHAIN_NESTED_GROUPS`): the split of a variance
-        between the levels is weakly determined, and with fewer chains the exploration
-        phase's noise left estimates far from the maximum without a warning.
+        ceil(1000 L / groups), 200000 // latents)`` (:data:`MIN_CHAIN_NESTED_GROUPS`): the
+        split of a variance between the levels is weakly determined, and with fewer chains
+        the exploration phase's noise left estimates far from the maximum without a warning.
     :param schedule: a :class:`Schedule` (default: saemix's, see :class:`Schedule`).
     :param mstep: ``"auto"`` (closed-form Gaussian where recognised, SA-Newton for the other
         parameters), ``"gaussian"`` (the same, but an error if nothing is recognised),
