@@ -46,9 +46,7 @@ def grouse_data() -> dict:
                 ticks=df["TICKS"].to_numpy(np.float32))
 
 
-def model(loc, brood, year, height, ticks=None):
-    """As lme4's formula reads: random intercepts per location and per brood, the sizes of
-    the plates computed from the data."""
+def _grouse(loc, brood, year, height, ticks, obs_level: bool):
     b0 = numpyro.param("b0", 0.0)
     beta_year = numpyro.param("beta_year", jnp.zeros(2))
     beta_h = numpyro.param("beta_h", 0.0)
@@ -61,26 +59,21 @@ def model(loc, brood, year, height, ticks=None):
     year_eff = jnp.concatenate([jnp.zeros(1), beta_year])[year]
     eta = b0 + year_eff + beta_h * height + v[loc] + u[brood]
     with numpyro.plate("obs", len(brood)):
+        if obs_level:
+            tau_i = numpyro.param("tau_i", 1.0, constraint=constraints.positive)
+            eta = eta + numpyro.sample("e", dist.Normal(0.0, tau_i))
         numpyro.sample("ticks", dist.Poisson(jnp.exp(eta)), obs=ticks)
+
+
+def model(loc, brood, year, height, ticks=None):
+    """As lme4's formula reads: random intercepts per location and per brood, the sizes of
+    the plates computed from the data."""
+    _grouse(loc, brood, year, height, ticks, obs_level=False)
 
 
 def model3(loc, brood, year, height, ticks=None):
     """lme4's own grouseticks example: a third, observation-level intercept per chick."""
-    b0 = numpyro.param("b0", 0.0)
-    beta_year = numpyro.param("beta_year", jnp.zeros(2))
-    beta_h = numpyro.param("beta_h", 0.0)
-    tau_i = numpyro.param("tau_i", 1.0, constraint=constraints.positive)
-    tau_b = numpyro.param("tau_b", 1.0, constraint=constraints.positive)
-    tau_l = numpyro.param("tau_l", 1.0, constraint=constraints.positive)
-    with numpyro.plate("location", int(loc.max()) + 1):
-        v = numpyro.sample("v", dist.Normal(0.0, tau_l))
-    with numpyro.plate("brood", int(brood.max()) + 1):
-        u = numpyro.sample("u", dist.Normal(0.0, tau_b))
-    with numpyro.plate("obs", len(brood)):
-        e = numpyro.sample("e", dist.Normal(0.0, tau_i))
-        year_eff = jnp.concatenate([jnp.zeros(1), beta_year])[year]
-        eta = b0 + year_eff + beta_h * height + v[loc] + u[brood] + e
-        numpyro.sample("ticks", dist.Poisson(jnp.exp(eta)), obs=ticks)
+    _grouse(loc, brood, year, height, ticks, obs_level=True)
 
 
 def _convolve(log_f: np.ndarray, t: np.ndarray, sd: float) -> np.ndarray:
