@@ -45,6 +45,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from numpyro_fed import _serial_lapack
+
 __all__ = ["Program", "compile_program", "program_key", "platform_options", "clear", "size",
            "stats"]
 
@@ -233,7 +235,15 @@ def _lower(fn, args, kwargs, opts, donate_argnums, keep_unused):
     program, leaves, treedef, donated = _flat_program(fn, args, kwargs, donate_argnums)
     jitted = jax.jit(program, donate_argnums=donated, keep_unused=keep_unused,
                      compiler_options=opts or None)
-    return jitted.trace(*leaves).lower(), treedef
+    traced = jitted.trace(*leaves)
+    if jax.default_backend() == "cpu":
+        # batched LAPACK calls one at a time: two at once can hang XLA:CPU for ever
+        serial = _serial_lapack.serialise(traced)
+        if serial is not None:
+            serial.__name__ = serial.__qualname__ = program.__name__
+            traced = jax.jit(serial, donate_argnums=donated, keep_unused=keep_unused,
+                             compiler_options=opts or None).trace(*leaves)
+    return traced.lower(), treedef
 
 
 def compile_program(fn: Callable, args: Sequence = (), kwargs: dict | None = None, *,

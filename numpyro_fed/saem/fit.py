@@ -734,16 +734,18 @@ class SAEM:
         total = len(xs[0])
         if st.builtin:
             chunk = self._chunk_program(st, static)
-            compiled = []  # traced once per run (the chunks have one shape), then called
-
-            def call(c, x):
-                if not compiled:
-                    compiled.append(chunk.compiled(c, x, arrays, aux, ids))
-                return compiled[0](c, x, arrays, aux, ids)
-        else:
+            inputs = (arrays, aux, ids)
+        else:  # a NumPyro kernel: the data closed over (as its own programs do)
             data = (args, kwargs)
-            call = jax.jit(lambda c, x: lax.scan(
+            chunk = jit_loop(lambda c, x: lax.scan(
                 lambda cc, xx: st.step(cc, xx, data, aux, ids), c, x))
+            inputs = ()
+        compiled = []  # traced once per run (the chunks have one shape), then called
+
+        def call(c, x):
+            if not compiled:
+                compiled.append(chunk.compiled(c, x, *inputs))
+            return compiled[0](c, x, *inputs)
         nc = max(1, min(int(num_chunks), total)) if progress_bar else 1
         L = -(-total // nc)
         pad = nc * L - total
