@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     "numpyro_fed.potential": 0,
     "numpyro_fed._validation": 0,
     "numpyro_fed._programs": 0,
+    "numpyro_fed._serial_lapack": 0,
     "numpyro_fed.validation": 0,
     "numpyro_fed.algorithms": 1,
     "numpyro_fed.kernels": 2,
