@@ -25,6 +25,7 @@ program it compiles for the CPU.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +35,8 @@ import numpy as np
 from jax._src import core as jcore
 
 __all__ = ["LAPACK_PRIMITIVES", "count_batched_calls", "serialise"]
+
+_LOG = logging.getLogger(__name__)
 
 #: primitives that XLA:CPU runs as a LAPACK (or ducc FFT) kernel with ``ParallelBatchMap``
 LAPACK_PRIMITIVES = frozenset({
@@ -94,7 +97,8 @@ def _retrace(j):
     try:
         new = jax.make_jaxpr(
             lambda *xs: _eval(closed.jaxpr, closed.consts, xs))(*specs)
-    except Exception:  # noqa: BLE001 -- not rebuildable here: kept whole (chained outside)
+    except Exception as e:  # noqa: BLE001 -- not rebuildable: kept whole (chained outside)
+        _LOG.debug("batched LAPACK calls inside a %s left unordered: %r", type(j).__name__, e)
         return j
     if [(a.shape, a.dtype, a.weak_type) for a in new.out_avals] != [
             (a.shape, a.dtype, a.weak_type) for a in closed.out_avals]:
