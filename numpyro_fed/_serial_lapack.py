@@ -12,7 +12,7 @@ On a 2-core machine two concurrent calls are enough. Measured here (jaxlib 0.10.
 one program holding two independent ``cholesky`` + ``solve_triangular`` chains hangs on
 every run for batches of 16 x 200 x 200, 4 x 474 x 474, 1000 x 20 x 20 or 10000 x 5 x 5
 (smaller ones pass, by timing); the same chains one after the other never hang. SAEM's exact
-information of a crossed model with one block of 474 latents hung this way. Neither
+information of a crossed model (474 latents, a group of 464) hung this way. Neither
 ``--xla_cpu_multi_thread_eigen=false`` nor synchronous dispatch changes it.
 
 :func:`serialise` rewrites a traced program so that its batched LAPACK calls (and the loops,

@@ -1,7 +1,7 @@
 """A crossed linear mixed model on real data, as a new user writes it, against its exact
 maximum likelihood: lme4's ``InstEval`` (the first 25 lecturers, students with at least two
 ratings: 962 ratings, 449 students, 25 lecturers), ``y ~ service + (1 | s) + (1 | d)``, the
-plate sizes ``int(x.max()) + 1``. The 474 latents are one crossed block.
+plate sizes ``int(x.max()) + 1``. The 474 latents form two connected groups (464 and 10).
 
 Seed 1 of this fit with the defaults never returned: the drift test's exact information ran
 two batched LAPACK solves at once, which hangs jaxlib 0.10's XLA:CPU on a 2-core machine
