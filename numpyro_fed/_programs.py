@@ -22,7 +22,19 @@ of what XLA compiles:
 
 So a cached executable is used only where compiling the fresh trace would give the same
 executable: what JAX's persistent compilation cache guarantees across processes, here in
-memory, with no disk read. A program with a host callback (``jax.pure_callback``,
+memory, with no disk read.
+
+Lowering a large trace costs about a third of tracing it again (a repeated ``PKModel`` fit on
+``nlme::Quinidine``: 3.1-3.7 s of the 9-10 s spent re-tracing its 7 programs). So a trace is
+also fingerprinted as it is (:func:`_traced_key`: its jaxpr by value -- every equation's
+primitive, operand types, parameters and literals, nested jaxprs, the constants' contents --
+with the output structure, donation, options, backend, devices and configuration); a trace
+whose fingerprint lowered before is not lowered again. A trace with anything the fingerprint
+cannot read by value (a host callback, an effect, a parameter of a type it does not know) is
+lowered and keyed by its module as before. The test suite lowers every trace anyway and
+raises if a known fingerprint lowers to another program (``NUMPYRO_FED_VERIFY_TRACE_KEYS``).
+
+A program with a host callback (``jax.pure_callback``,
 ``io_callback``, ``jax.debug.print``) calls a Python function that the module does not show;
 it is never cached (compiled on every call).
 
@@ -35,14 +47,17 @@ arguments of the programs, not constants).
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import io
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jcore
 import numpy as np
 
 from numpyro_fed import _serial_lapack
@@ -54,14 +69,21 @@ __all__ = ["Program", "compile_program", "program_key", "platform_options", "cle
 MAX_PROGRAMS = 128
 
 _CACHE: OrderedDict[tuple, Any] = OrderedDict()
+#: trace fingerprint (:func:`_traced_key`) -> the key in ``_CACHE`` its lowering had
+_TRACE_KEYS: OrderedDict[tuple, tuple] = OrderedDict()
 _LOCK = threading.Lock()
-_STATS = {"hits": 0, "misses": 0, "uncached": 0}
+_STATS = {"hits": 0, "misses": 0, "uncached": 0, "trace_hits": 0}
+#: lower every trace, also those whose trace fingerprint is known, and raise if the lowered
+#: program is not the one that fingerprint gave before (the test suite sets it:
+#: ``NUMPYRO_FED_VERIFY_TRACE_KEYS=1``)
+VERIFY_TRACE_KEYS = os.environ.get("NUMPYRO_FED_VERIFY_TRACE_KEYS", "0") == "1"
 
 
 def clear() -> None:
     """Forget every compiled program."""
     with _LOCK:
         _CACHE.clear()
+        _TRACE_KEYS.clear()
 
 
 def size(tag: str | None = None) -> int:
@@ -171,6 +193,137 @@ def _key_of(lowered, options: tuple) -> tuple | None:
             tuple(str(d) for d in jax.devices(backend.platform)[:args["num_devices"]]))
 
 
+class _Unkeyable(Exception):
+    """A trace holding something :func:`_traced_key` cannot fingerprint by value."""
+
+
+#: parameters that hold Python functions the lowering never calls: a ``custom_jvp_call`` or
+#: ``custom_vjp_call`` is lowered from its ``call_jaxpr`` alone (its derivative rules were
+#: applied, if at all, when the program was traced and differentiated)
+_LOWERING_UNUSED = {("custom_jvp_call", "jvp_jaxpr_fun"), ("custom_jvp_call", "jvp_jaxpr_thunk"),
+                    ("custom_vjp_call", "fwd_jaxpr_thunk"), ("custom_vjp_call", "bwd"),
+                    ("custom_vjp_call", "out_trees")}
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, range, slice)
+
+
+def _feed_value(h, v, depth: int = 0) -> None:
+    """Feed a jaxpr parameter into ``h`` by value, or raise :class:`_Unkeyable`."""
+    if depth > 64:
+        raise _Unkeyable("nested too deep")
+    if isinstance(v, _SCALARS):
+        h.update(f"{type(v).__name__}:{v!r};".encode())
+    elif isinstance(v, jcore.ClosedJaxpr):
+        h.update(b"closed{")
+        _feed_jaxpr(h, v.jaxpr, v.consts, depth + 1)
+        h.update(b"}")
+    elif isinstance(v, jcore.Jaxpr):
+        h.update(b"open{")
+        _feed_jaxpr(h, v, (), depth + 1)
+        h.update(b"}")
+    elif isinstance(v, (np.ndarray, np.generic, jax.Array)):
+        h.update(b"array:")
+        _array_digest(h, v)
+    elif isinstance(v, np.dtype) or (isinstance(v, type) and issubclass(v, np.generic)):
+        h.update(f"dtype:{np.dtype(v).str};".encode())
+    elif isinstance(v, tuple | list):
+        # NamedTuples (GatherDimensionNumbers, custom_linear_solve's jaxprs) by type too
+        h.update(f"{type(v).__module__}.{type(v).__qualname__}(".encode())
+        for u in v:
+            _feed_value(h, u, depth + 1)
+        h.update(b")")
+    elif isinstance(v, frozenset | set):
+        raise _Unkeyable("a set parameter")
+    elif isinstance(v, enum.Enum):
+        h.update(f"{type(v).__module__}.{type(v).__qualname__}.{v.name};".encode())
+    elif type(v).__module__.startswith("jax.") and type(v).__name__ in _REPR_TYPES:
+        h.update(f"{type(v).__name__}:{v!r};".encode())
+    else:  # a function, an object of a type not listed: never a guess
+        raise _Unkeyable(f"a parameter of type {type(v).__name__}")
+
+
+#: JAX parameter types fingerprinted by ``repr`` (value objects whose repr shows all they
+#: hold: meshes, shardings, layouts, precisions)
+_REPR_TYPES = {"Mesh", "AbstractMesh", "UnspecifiedValue", "NamedSharding",
+               "SingleDeviceSharding", "PartitionSpec", "AutoLayout", "Layout", "Format"}
+
+
+def _feed_aval(h, aval) -> None:
+    h.update(f"{aval.str_short(short_dtypes=False)}|w{int(getattr(aval, 'weak_type', 0))}"
+             f"|{type(aval).__name__};".encode())
+
+
+def _feed_jaxpr(h, jaxpr, consts, depth: int) -> None:
+    """Feed a jaxpr's structure into ``h``: its variables numbered in order of appearance
+    with their types, every equation's primitive, operands and parameters, literals and
+    constants by value."""
+    if jaxpr.effects:
+        raise _Unkeyable("effects")
+    ids: dict[int, int] = {}
+
+    def define(v):
+        if isinstance(v, jcore.DropVar):
+            h.update(b"_;")
+            return
+        ids[id(v)] = len(ids)
+        _feed_aval(h, v.aval)
+
+    def use(a):
+        if isinstance(a, jcore.Literal):
+            h.update(b"lit:")
+            _feed_aval(h, a.aval)
+            _feed_value(h, np.asarray(a.val), depth + 1)
+        else:
+            h.update(f"v{ids[id(a)]};".encode())
+
+    h.update(f"consts{len(jaxpr.constvars)}:".encode())
+    for v in jaxpr.constvars:
+        define(v)
+    for c in consts:
+        _feed_value(h, c, depth + 1)
+    h.update(f"in{len(jaxpr.invars)}:".encode())
+    for v in jaxpr.invars:
+        define(v)
+    for e in jaxpr.eqns:
+        if e.effects:
+            raise _Unkeyable("effects")
+        name = e.primitive.name
+        h.update(f"eqn:{name}(".encode())
+        for a in e.invars:
+            use(a)
+        h.update(b")[")
+        for k in sorted(e.params):
+            if (name, k) in _LOWERING_UNUSED:
+                continue
+            h.update(f"{k}=".encode())
+            _feed_value(h, e.params[k], depth + 1)
+        h.update(b"]->")
+        for v in e.outvars:
+            define(v)
+    h.update(b"out:")
+    for a in jaxpr.outvars:
+        use(a)
+
+
+def _traced_key(traced, options: tuple, donated: tuple, keep_unused: bool) -> tuple | None:
+    """A fingerprint of a trace (``jax.stages.Traced``) that determines its lowered program:
+    the jaxpr by value (:func:`_feed_jaxpr`), the output structure, the donated arguments,
+    the compiler options, backend, devices and JAX configuration. ``None`` when something in
+    it cannot be fingerprinted by value (a Python callback, an effect, a parameter of an
+    unknown type): then the trace is lowered and keyed by its module, as before."""
+    try:
+        h = hashlib.blake2b(digest_size=32)
+        _feed_jaxpr(h, traced.jaxpr.jaxpr, traced.jaxpr.consts, 0)
+        backend = jax.default_backend()
+        h.update(repr((options, donated, bool(keep_unused), backend)).encode())
+        h.update(_config_fingerprint().encode())
+        devices = tuple(str(d) for d in jax.devices(backend))
+        return (h.digest(), traced.out_tree, traced.fun_name, devices)
+    except _Unkeyable:
+        return None
+    except Exception:  # noqa: BLE001 -- a JAX whose jaxprs we cannot read: lower, as before
+        return None
+
+
 def _fresh(fn: Callable) -> Callable:
     """A new function object calling ``fn``: JAX's tracing caches (keyed by the function's
     identity) cannot serve an earlier trace of it."""
@@ -231,16 +384,26 @@ class _Runner:
         return self.compiled(*leaves)
 
 
-def _lower(fn, args, kwargs, opts, donate_argnums, keep_unused):
+def _trace(fn, args, kwargs, opts, donate_argnums, keep_unused):
+    """``(traced, leaves, treedef, donated)``: ``fn`` traced afresh as a flat program."""
     program, leaves, treedef, donated = _flat_program(fn, args, kwargs, donate_argnums)
     jitted = jax.jit(program, donate_argnums=donated, keep_unused=keep_unused,
                      compiler_options=opts or None)
-    traced = jitted.trace(*leaves)
+    return jitted.trace(*leaves), leaves, treedef, donated
+
+
+def _lower(fn, args, kwargs, opts, donate_argnums, keep_unused):
+    traced, leaves, treedef, donated = _trace(fn, args, kwargs, opts, donate_argnums,
+                                              keep_unused)
+    return _lower_traced(traced, leaves, treedef, opts, donated, keep_unused)
+
+
+def _lower_traced(traced, leaves, treedef, opts, donated, keep_unused):
     if jax.default_backend() == "cpu":
         # batched LAPACK calls one at a time: two at once can hang XLA:CPU for ever
         serial = _serial_lapack.serialise(traced)
         if serial is not None:
-            serial.__name__ = serial.__qualname__ = program.__name__
+            serial.__name__ = serial.__qualname__ = traced.fun_name
             traced = jax.jit(serial, donate_argnums=donated, keep_unused=keep_unused,
                              compiler_options=opts or None).trace(*leaves)
     return traced.lower(), treedef
@@ -263,13 +426,39 @@ def compile_program(fn: Callable, args: Sequence = (), kwargs: dict | None = Non
     if _traced(args, kwargs):
         return jax.jit(_fresh(fn), donate_argnums=donate_argnums, keep_unused=keep_unused,
                        compiler_options=opts or None)
-    lowered, treedef = _lower(fn, args, kwargs, opts, donate_argnums, keep_unused)
-    key = _key(lowered, tuple(sorted(opts.items())))
+    options = tuple(sorted(opts.items()))
+    traced, leaves, treedef, donated = _trace(fn, args, kwargs, opts, donate_argnums,
+                                              keep_unused)
+    jkey = _traced_key(traced, options, donated, keep_unused)
+    if jkey is not None and not VERIFY_TRACE_KEYS:
+        with _LOCK:
+            key = _TRACE_KEYS.get(jkey)
+            hit = None if key is None else _CACHE.get(key)
+            if hit is not None:  # the same trace: the same module, not lowered again
+                _TRACE_KEYS.move_to_end(jkey)
+                _CACHE.move_to_end(key)
+                _STATS["hits"] += 1
+                _STATS["trace_hits"] += 1
+                return _Runner(hit[0], treedef)
+    lowered, treedef = _lower_traced(traced, leaves, treedef, opts, donated, keep_unused)
+    key = _key(lowered, options)
     if key is None:
         with _LOCK:
             _STATS["uncached"] += 1
         return _Runner(lowered.compile(), treedef)
     key = (key, treedef)
+    if jkey is not None:
+        with _LOCK:
+            known = _TRACE_KEYS.get(jkey)
+            if known is not None and known != key:
+                raise RuntimeError(
+                    f"numpyro_fed._programs: two traces of {traced.fun_name!r} with the same "
+                    "trace key lowered to different programs -- a defect of the trace key "
+                    "(please report it).")
+            _TRACE_KEYS[jkey] = key
+            _TRACE_KEYS.move_to_end(jkey)
+            while len(_TRACE_KEYS) > 4 * MAX_PROGRAMS:
+                _TRACE_KEYS.popitem(last=False)
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is not None:

@@ -15,7 +15,12 @@ Set before JAX creates its CPU backend, and inherited by the processes the tests
   once in the session (e.g. the same kernel on the same shapes in two tests, or in a test
   and in the Flower processes it starts) is read back instead of compiled again. It is
   keyed by the program and the compiler options, so it cannot serve a stale program;
-  ``NUMPYRO_FED_TEST_CACHE=0`` turns it off.
+  ``NUMPYRO_FED_TEST_CACHE=0`` turns it off;
+- ``NUMPYRO_FED_VERIFY_TRACE_KEYS=1``: the library's program cache (:mod:`numpyro_fed.
+  _programs`) reuses an executable when a fresh trace has the fingerprint of an earlier one,
+  without lowering it again; in the suite every trace is lowered anyway and a fingerprint
+  that lowered to another program raises, so that every program the suite builds checks the
+  fingerprint (``tests/test_cache_correctness.py`` runs the users' path, without it).
 """
 
 import os
@@ -31,6 +36,8 @@ if os.environ.get("NUMPYRO_FED_TEST_CACHE", "1") != "0":
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_cache))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+os.environ.setdefault("NUMPYRO_FED_VERIFY_TRACE_KEYS", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -164,6 +164,15 @@ def _check(kernel, change, args=lambda: (), kwargs=lambda: None) -> tuple[dict, 
     return before, after
 
 
+@pytest.fixture(autouse=True)
+def users_path(monkeypatch):
+    """The path users run: a trace whose fingerprint is known reuses its executable without
+    being lowered (the rest of the suite lowers every trace to check the fingerprints)."""
+    from numpyro_fed import _programs
+
+    monkeypatch.setattr(_programs, "VERIFY_TRACE_KEYS", False)
+
+
 @pytest.fixture
 def restore_loc():
     global LOC
@@ -318,6 +327,72 @@ def test_dead_arguments_are_part_of_the_key():
     a, b = jnp.asarray(1.0), jnp.asarray(5.0)
     assert float(_programs.Program(lambda u, v: u * 2)(a, b)) == 2.0
     assert float(_programs.Program(lambda u, v: v * 2)(a, b)) == 10.0
+
+
+def test_a_known_trace_is_not_lowered_again(monkeypatch):
+    """The same function traced again, the same trace: the executable is reused without
+    lowering (the fingerprint of the jaxpr), with the same bits."""
+    from numpyro_fed import _programs
+
+    lowered = []
+    real = _programs._lower_traced
+    monkeypatch.setattr(_programs, "_lower_traced",
+                        lambda *a, **k: lowered.append(1) or real(*a, **k))
+
+    def f(x, y):
+        a = jax.nn.softplus(x) + jax.scipy.special.xlogy(x, y)  # custom_jvp calls
+        b = jax.lax.scan(lambda c, t: (c + jnp.sin(t), None), 0.0, x)[0]
+        return a.sum() + b + jnp.linalg.solve(jnp.eye(3) + x[:3, None] * x[None, :3],
+                                                x[:3]).sum()
+
+    x, y = jnp.linspace(0.1, 1.0, 5), jnp.linspace(1.0, 2.0, 5)
+    first = _programs.Program(f)(x, y)
+    hits = _programs.stats()["trace_hits"]
+    again = _programs.Program(f)(x, y)
+    assert len(lowered) == 1 and _programs.stats()["trace_hits"] == hits + 1
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
+    assert float(again) == float(jax.jit(f)(x, y))
+
+
+def test_trace_fingerprint_sees_values_and_parameters():
+    """What tells two traces apart changes the fingerprint: a literal (a global read as a
+    Python float), the contents of a closed-over array, a parameter of a primitive (a scan
+    reversed), an input dtype, a weak type; the same trace twice has the same one."""
+    from numpyro_fed import _programs
+
+    def key(fn, *args):
+        traced, _, _, donated = _programs._trace(fn, args, {}, {}, (), False)
+        k = _programs._traced_key(traced, (), donated, False)
+        assert k is not None
+        return k
+
+    x = jnp.arange(4.0)
+    c1, c2 = np.arange(4.0), np.arange(4.0)
+    c2[3] = 7.0
+
+    def scan(rev):
+        return lambda v: jax.lax.scan(lambda c, t: (c * 0.5 + t, c), 0.0, v, reverse=rev)[1]
+
+    base = key(lambda v: v * 3.0, x)
+    assert key(lambda v: v * 3.0, x) == base
+    assert key(lambda v: v * 4.0, x) != base
+    assert key(lambda v: v + jnp.asarray(c1), x) != key(lambda v: v + jnp.asarray(c2), x)
+    assert key(scan(False), x) != key(scan(True), x)
+    assert key(lambda v: v * 3.0, x.astype(jnp.int32)) != base
+    assert key(lambda v: v * 3.0, jnp.asarray(2.0, jnp.float32)) != key(lambda v: v * 3.0, 2.0)
+
+
+def test_a_trace_with_a_callback_has_no_fingerprint():
+    """A host callback's Python function is not in the jaxpr by value: no fingerprint (the
+    trace is lowered and, as the module shows it, never cached)."""
+    from numpyro_fed import _programs
+
+    def f(v):
+        return jax.pure_callback(lambda u: np.asarray(u, np.float32),
+                                 jax.ShapeDtypeStruct(v.shape, v.dtype), v)
+
+    traced, _, _, donated = _programs._trace(f, (jnp.ones(2),), {}, {}, (), False)
+    assert _programs._traced_key(traced, (), donated, False) is None
 
 
 # ----------------------------------------------------------------- the other caches
