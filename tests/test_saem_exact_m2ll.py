@@ -27,6 +27,9 @@ from numpyro.distributions import constraints
 
 from numpyro_fed.saem import SAEM, Schedule
 
+# one worker fits the model once for both tests
+pytestmark = pytest.mark.xdist_group("saem_exact_m2ll")
+
 
 def _codes(v) -> np.ndarray:
     return np.unique(np.asarray(v), return_inverse=True)[1].astype(np.int32)

@@ -25,7 +25,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import saem_cases as sc  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("saem_se")
+# the default fits (sc.default_fit, cached per process) are those of test_saem_defaults.py:
+# the same worker reuses them
+pytestmark = pytest.mark.xdist_group("saem_default_fits")
 
 
 def _quantity_se(res, case, names, method="auto", **kw):
