@@ -304,20 +304,34 @@ def _feed_jaxpr(h, jaxpr, consts, depth: int) -> None:
         use(a)
 
 
-def _traced_key(traced, options: tuple, donated: tuple, keep_unused: bool) -> tuple | None:
-    """A fingerprint of a trace (``jax.stages.Traced``) that determines its lowered program:
-    the jaxpr by value (:func:`_feed_jaxpr`), the output structure, the donated arguments,
-    the compiler options, backend, devices and JAX configuration. ``None`` when something in
-    it cannot be fingerprinted by value (a Python callback, an effect, a parameter of an
-    unknown type): then the trace is lowered and keyed by its module, as before."""
+def _placement(x) -> tuple | None:
+    """Where an argument lives, as the lowering sees it: the sharding and device assignment
+    of a JAX array (a committed one is lowered with its sharding), ``None`` for the others."""
+    if not isinstance(x, jax.Array):
+        return None
+    sh = x.sharding
+    devices = tuple(d.id for d in getattr(sh, "_device_assignment", ()) or ())
+    return (repr(sh), devices, bool(getattr(x, "committed", getattr(x, "_committed", True))))
+
+
+def _traced_key(traced, leaves: Sequence, treedef, options: tuple, donated: tuple,
+                keep_unused: bool) -> tuple | None:
+    """A fingerprint of a trace (``jax.stages.Traced``) of the flat program of arguments
+    ``leaves`` (structure ``treedef``) that determines its lowered program: the jaxpr by
+    value (:func:`_feed_jaxpr`), where each argument lives (:func:`_placement`), the input
+    and output structures, the donated arguments, the compiler options, backend, devices and
+    JAX configuration. ``None`` when something in it cannot be fingerprinted by value (a
+    Python callback, an effect, a parameter of an unknown type): then the trace is lowered
+    and keyed by its module, as before."""
     try:
         h = hashlib.blake2b(digest_size=32)
         _feed_jaxpr(h, traced.jaxpr.jaxpr, traced.jaxpr.consts, 0)
         backend = jax.default_backend()
         h.update(repr((options, donated, bool(keep_unused), backend)).encode())
+        h.update(repr(tuple(_placement(x) for x in leaves)).encode())
         h.update(_config_fingerprint().encode())
         devices = tuple(str(d) for d in jax.devices(backend))
-        return (h.digest(), traced.out_tree, traced.fun_name, devices)
+        return (h.digest(), treedef, traced.out_tree, traced.fun_name, devices)
     except _Unkeyable:
         return None
     except Exception:  # noqa: BLE001 -- a JAX whose jaxprs we cannot read: lower, as before
@@ -429,7 +443,7 @@ def compile_program(fn: Callable, args: Sequence = (), kwargs: dict | None = Non
     options = tuple(sorted(opts.items()))
     traced, leaves, treedef, donated = _trace(fn, args, kwargs, opts, donate_argnums,
                                               keep_unused)
-    jkey = _traced_key(traced, options, donated, keep_unused)
+    jkey = _traced_key(traced, leaves, treedef, options, donated, keep_unused)
     if jkey is not None and not VERIFY_TRACE_KEYS:
         with _LOCK:
             key = _TRACE_KEYS.get(jkey)

@@ -361,8 +361,8 @@ def test_trace_fingerprint_sees_values_and_parameters():
     from numpyro_fed import _programs
 
     def key(fn, *args):
-        traced, _, _, donated = _programs._trace(fn, args, {}, {}, (), False)
-        k = _programs._traced_key(traced, (), donated, False)
+        traced, leaves, treedef, donated = _programs._trace(fn, args, {}, {}, (), False)
+        k = _programs._traced_key(traced, leaves, treedef, (), donated, False)
         assert k is not None
         return k
 
@@ -391,8 +391,8 @@ def test_a_trace_with_a_callback_has_no_fingerprint():
         return jax.pure_callback(lambda u: np.asarray(u, np.float32),
                                  jax.ShapeDtypeStruct(v.shape, v.dtype), v)
 
-    traced, _, _, donated = _programs._trace(f, (jnp.ones(2),), {}, {}, (), False)
-    assert _programs._traced_key(traced, (), donated, False) is None
+    traced, leaves, treedef, donated = _programs._trace(f, (jnp.ones(2),), {}, {}, (), False)
+    assert _programs._traced_key(traced, leaves, treedef, (), donated, False) is None
 
 
 # ----------------------------------------------------------------- the other caches
