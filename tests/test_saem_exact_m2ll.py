@@ -18,6 +18,7 @@ from __future__ import annotations
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
@@ -133,3 +134,38 @@ def test_exact_information_of_a_large_crossed_group_is_the_exact_hessian(fit):
     np.testing.assert_allclose(np.diag(F), np.diag(ref), rtol=0.01)
     se, se_ref = np.sqrt(np.diag(np.linalg.inv(F))), np.sqrt(np.diag(np.linalg.inv(ref)))
     np.testing.assert_allclose(se, se_ref, rtol=0.01)
+
+
+def _float32_only_model(y):
+    mu = numpyro.param("mu", 0.0)
+    if jnp.result_type(mu) != jnp.float32:  # a model written for float32 only
+        raise TypeError("this model runs in float32 only")
+    tau = numpyro.param("tau", 1.0, constraint=constraints.positive)
+    with numpyro.plate("group", y.shape[1]):
+        b = numpyro.sample("b", dist.Normal(mu, tau))
+        with numpyro.plate("rep", y.shape[0], dim=-2):
+            numpyro.sample("y", dist.Normal(b, 1.0), obs=y)
+
+
+def test_a_model_that_cannot_run_in_float64_keeps_the_float32_value_and_says_so():
+    """The float64 evaluation is the model's own code: a model that refuses float64 gets the
+    float32 closed form, with a LikelihoodWarning naming the error and the rounding."""
+    from numpyro_fed.saem.likelihood import LikelihoodWarning
+
+    # 6 replicates (rows) of 4 groups (columns)
+    y = (np.random.default_rng(0).normal(size=(6, 4)) + np.arange(4)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = SAEM(_float32_only_model, schedule=Schedule(num_iters=30, num_exploration=20),
+                   num_draws=5).run(jax.random.key(0), y)
+    with pytest.warns(LikelihoodWarning, match=r"could not be evaluated in float64 "
+                                               r"\(TypeError: this model runs in float32"):
+        ll = res.log_likelihood()
+    assert ll["method"] == "exact" and np.isfinite(ll["m2ll"])
+    # the normal-normal marginal at the estimates: column g ~ N(mu 1, tau^2 J + I)
+    p = {k: float(v) for k, v in res.params.items()}
+    V = p["tau"] ** 2 * np.ones((6, 6)) + np.eye(6)
+    r = y.astype(np.float64) - p["mu"]
+    ref = sum(np.linalg.slogdet(2 * np.pi * V)[1] + r[:, g] @ np.linalg.solve(V, r[:, g])
+              for g in range(4))
+    assert abs(ll["m2ll"] - ref) < 1e-3
