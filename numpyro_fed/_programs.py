@@ -28,7 +28,8 @@ Lowering a large trace costs about a third of tracing it again (a repeated ``PKM
 ``nlme::Quinidine``: 3.1-3.7 s of the 9-10 s spent re-tracing its 7 programs). So a trace is
 also fingerprinted as it is (:func:`_traced_key`: its jaxpr by value -- every equation's
 primitive, operand types, parameters and literals, nested jaxprs, the constants' contents --
-with the output structure, donation, options, backend, devices and configuration); a trace
+with the arguments' structure, sharding and devices, the output structure, donation, options,
+backend and configuration); a trace
 whose fingerprint lowered before is not lowered again. A trace with anything the fingerprint
 cannot read by value (a host callback, an effect, a parameter of a type it does not know) is
 lowered and keyed by its module as before. The test suite lowers every trace anyway and
@@ -94,7 +95,8 @@ def size(tag: str | None = None) -> int:
 
 def stats() -> dict[str, int]:
     """Counters since the process started: ``hits`` (a compiled program reused), ``misses``
-    (compiled and kept), ``uncached`` (compiled, never kept: host callbacks)."""
+    (compiled and kept), ``uncached`` (compiled, never kept: host callbacks), ``trace_hits``
+    (the hits found by the trace's fingerprint, without lowering it)."""
     with _LOCK:
         return dict(_STATS)
 
