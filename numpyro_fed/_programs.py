@@ -425,18 +425,44 @@ def _lower_traced(traced, leaves, treedef, opts, donated, keep_unused):
     return traced.lower(), treedef
 
 
-def compile_program(fn: Callable, args: Sequence = (), kwargs: dict | None = None, *,
+class Pending:
+    """A program traced, lowered and keyed but not compiled yet (:func:`prepare_program`):
+    :meth:`finish` compiles it (XLA releases the GIL: another thread may run it while this
+    one traces) and keeps it in the cache."""
+
+    __slots__ = ("lowered", "key", "treedef", "tag")
+
+    def __init__(self, lowered, key, treedef, tag: str) -> None:
+        self.lowered, self.key, self.treedef, self.tag = lowered, key, treedef, tag
+
+    def finish(self) -> _Runner:
+        """Compile (or take the program that another caller compiled meanwhile)."""
+        if self.key is None:  # never kept: host callbacks
+            with _LOCK:
+                _STATS["uncached"] += 1
+            return _Runner(self.lowered.compile(), self.treedef)
+        with _LOCK:
+            hit = _CACHE.get(self.key)
+            if hit is not None:
+                _CACHE.move_to_end(self.key)
+                _STATS["hits"] += 1
+                return _Runner(hit[0], self.treedef)
+        compiled = self.lowered.compile()
+        with _LOCK:
+            _STATS["misses"] += 1
+            _CACHE[self.key] = (compiled, self.tag)
+            while len(_CACHE) > MAX_PROGRAMS:
+                _CACHE.popitem(last=False)
+        return _Runner(compiled, self.treedef)
+
+
+def prepare_program(fn: Callable, args: Sequence = (), kwargs: dict | None = None, *,
                     compiler_options: dict | None = None,
                     donate_argnums: int | Sequence[int] = (),
                     keep_unused: bool = False, tag: str = "") -> Callable:
-    """``fn`` traced afresh on ``args``, compiled or taken from the cache: a callable that
-    runs the compiled program on arguments of the same structure and types as ``args``.
-
-    ``tag`` labels the entry for :func:`size`; it is not part of the key.
-
-    Under a JAX transformation (tracer arguments) there is nothing to compile: the result is
-    ``jax.jit(fn)``, traced into the enclosing program.
-    """
+    """:func:`compile_program` up to the compilation: the runner of a program found in the
+    cache, else a :class:`Pending` program to :meth:`~Pending.finish`. Under a JAX
+    transformation, ``jax.jit(fn)`` as :func:`compile_program` returns it."""
     kwargs = kwargs or {}
     opts = platform_options(compiler_options)
     if _traced(args, kwargs):
@@ -459,9 +485,7 @@ def compile_program(fn: Callable, args: Sequence = (), kwargs: dict | None = Non
     lowered, treedef = _lower_traced(traced, leaves, treedef, opts, donated, keep_unused)
     key = _key(lowered, options)
     if key is None:
-        with _LOCK:
-            _STATS["uncached"] += 1
-        return _Runner(lowered.compile(), treedef)
+        return Pending(lowered, None, treedef, tag)
     key = (key, treedef)
     if jkey is not None:
         with _LOCK:
@@ -481,13 +505,24 @@ def compile_program(fn: Callable, args: Sequence = (), kwargs: dict | None = Non
             _CACHE.move_to_end(key)
             _STATS["hits"] += 1
             return _Runner(hit[0], treedef)
-    compiled = lowered.compile()
-    with _LOCK:
-        _STATS["misses"] += 1
-        _CACHE[key] = (compiled, tag)
-        while len(_CACHE) > MAX_PROGRAMS:
-            _CACHE.popitem(last=False)
-    return _Runner(compiled, treedef)
+    return Pending(lowered, key, treedef, tag)
+
+
+def compile_program(fn: Callable, args: Sequence = (), kwargs: dict | None = None, *,
+                    compiler_options: dict | None = None,
+                    donate_argnums: int | Sequence[int] = (),
+                    keep_unused: bool = False, tag: str = "") -> Callable:
+    """``fn`` traced afresh on ``args``, compiled or taken from the cache: a callable that
+    runs the compiled program on arguments of the same structure and types as ``args``.
+
+    ``tag`` labels the entry for :func:`size`; it is not part of the key.
+
+    Under a JAX transformation (tracer arguments) there is nothing to compile: the result is
+    ``jax.jit(fn)``, traced into the enclosing program.
+    """
+    out = prepare_program(fn, args, kwargs, compiler_options=compiler_options,
+                          donate_argnums=donate_argnums, keep_unused=keep_unused, tag=tag)
+    return out.finish() if isinstance(out, Pending) else out
 
 
 def program_key(fn: Callable, args: Sequence = (), kwargs: dict | None = None, *,
@@ -529,6 +564,13 @@ class Program:
     def compiled(self, *args: Any, **kwargs: Any) -> Callable:
         """The compiled program for these arguments (traced now, compiled if new)."""
         return compile_program(self.fn, args, kwargs, compiler_options=self.compiler_options,
+                               donate_argnums=self.donate_argnums,
+                               keep_unused=self.keep_unused, tag=self.tag)
+
+    def prepare(self, *args: Any, **kwargs: Any) -> Callable:
+        """:meth:`compiled` up to the compilation (:func:`prepare_program`): a runner, or a
+        :class:`Pending` program whose :meth:`~Pending.finish` compiles it."""
+        return prepare_program(self.fn, args, kwargs, compiler_options=self.compiler_options,
                                donate_argnums=self.donate_argnums,
                                keep_unused=self.keep_unused, tag=self.tag)
 

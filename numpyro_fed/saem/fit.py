@@ -30,7 +30,10 @@ from __future__ import annotations
 
 import enum
 import math
+import os
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -42,6 +45,7 @@ from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.initialization import init_to_median
 from numpyro.infer.mcmc import MCMCKernel
 
+from numpyro_fed import _programs
 from numpyro_fed._validation import check_float, check_int, check_positive_float
 from numpyro_fed.errors import DivergenceError
 from numpyro_fed.saem.estep import LangevinEStep, NumPyroEStep, flat_preconditioner
@@ -67,12 +71,28 @@ from numpyro_fed.saem.mstep import (
     detect_gaussian,
 )
 from numpyro_fed.saem.protocols import EStep, MStep, check_estep, check_mstep
-from numpyro_fed.saem.result import SAEMResult, boundary_advice, boundary_collapse, run_off
+from numpyro_fed.saem.result import (
+    SAEMResult,
+    boundary_advice,
+    boundary_collapse,
+    run_off,
+    warm_programs,
+)
 from numpyro_fed.saem.schedule import MAX_ITERATIONS, Schedule
 
 __all__ = ["SAEM", "SAEMFailure", "SAEMProgram", "SAEMState", "Failure", "fit_saem"]
 
 #: chains x subjects aimed at by the default number of chains
+#: a fit whose compiled loop still runs after this many seconds compiles the programs of
+#: its standard errors meanwhile (:meth:`SAEM._warm_while_running`); a shorter loop would
+#: hide little of their compilation
+WARM_AFTER_S = 1.0
+#: whether fits compile their standard errors' programs while the loop compiles and runs
+#: (:meth:`SAEM._run_warming`); ``NUMPYRO_FED_WARM_PROGRAMS=0`` turns it off where every core
+#: is busy anyway (a test suite run by one worker per core), as the warmed programs of a
+#: fit whose standard errors are never asked for would only add work there
+WARM_PROGRAMS = os.environ.get("NUMPYRO_FED_WARM_PROGRAMS", "1") != "0"
+
 MIN_CHAIN_SUBJECTS = 50
 #: chains x top-level groups aimed at by the default, per nested level of random effects in
 #: the blocks (a latent site with several units in a block,
@@ -761,8 +781,15 @@ class SAEM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=total, desc="SAEM")
+        warm = {}
         try:
-            for c in range(nc):
+            if WARM_PROGRAMS and nc == 1 and st.builtin and st.use_fisher:
+                # one call: the loop runs while the standard errors' programs compile
+                (carry, (th, ac)), warm = self._run_warming(st, chunk, carry, xs, inputs,
+                                                            aux, args, kwargs, ids, theta0)
+                thetas.append(th)
+                accs.append(ac)
+            for c in range(nc if not thetas else 0):
                 carry, (th, ac) = call(carry, tuple(v[c * L:(c + 1) * L] for v in xs))
                 thetas.append(th)
                 accs.append(ac)
@@ -792,8 +819,82 @@ class SAEM:
             num_exploration=self.schedule.num_exploration, settings=self._describe(st),
             programs={}, theta0=np.asarray(theta0),
         )
-        res.convergence_messages = res.check_convergence(warn=True)
+        res._warm = warm
+        try:
+            res.convergence_messages = res.check_convergence(warn=True)
+        finally:
+            res._warm = {}  # later calls trace afresh, as every call does
         return res
+
+    def _run_warming(self, st: SAEMProgram, chunk, carry, xs, inputs, aux, args, kwargs,
+                     ids, theta0):
+        """Run the whole loop (one call of ``chunk``) and, meanwhile, compile the programs
+        of the result's standard errors (:func:`~numpyro_fed.saem.result.warm_programs`):
+        ``(loop outputs, warmed runners)``.
+
+        A loop program not compiled yet is compiled by a worker thread (XLA releases the
+        GIL), which then dispatches it; this thread traces and compiles the standard
+        errors' programs in the meantime. Tracing stays on this thread: NumPyro's effect
+        handlers are one global stack, which two threads tracing a model would share. A
+        loop already compiled is dispatched at once, and the programs are warmed after
+        :data:`WARM_AFTER_S` if it still runs (its iterations run on XLA's threads). Either
+        way the numbers are those of an unwarmed fit: the same programs run on the same
+        arguments."""
+        prep = chunk.prepare(carry, xs, *inputs)
+        pool = fut = None
+        if isinstance(prep, _programs.Pending):
+            x64 = bool(jax.config.jax_enable_x64)
+
+            def start():
+                with jax.enable_x64(x64):  # this thread's configuration is the caller's
+                    return prep.finish()(carry, xs, *inputs)
+
+            pool = ThreadPoolExecutor(1, thread_name_prefix="numpyro_fed-compile")
+            fut = pool.submit(start)
+            loop: list = []
+
+            def busy():
+                if not fut.done():
+                    return True
+                if not loop:
+                    loop.append(self._loop_busy(fut.result()))
+                return loop[0]()
+
+            wait = 0.0  # compiling the loop takes seconds: warm at once
+        else:
+            out = prep(carry, xs, *inputs)
+            busy, wait = self._loop_busy(out), WARM_AFTER_S
+        try:
+            warm = self._warm_while_running(st, busy, wait, jax.typeof(carry[1]), aux, args,
+                                            kwargs, ids, theta0)
+        finally:
+            if pool is not None:
+                out = fut.result()  # the worker's error, if any, is raised here
+                pool.shutdown()
+        return out, warm
+
+    @staticmethod
+    def _loop_busy(outputs) -> Callable[[], bool]:
+        """Whether the dispatched loop of these outputs still runs."""
+        leaves = [x for x in jax.tree.leaves(outputs) if hasattr(x, "is_ready")]  # no keys
+        return lambda: not all(x.is_ready() for x in leaves)
+
+    def _warm_while_running(self, st: SAEMProgram, busy, wait: float, zbuf, aux, args,
+                            kwargs, ids, theta0) -> dict:
+        """After ``wait`` seconds of ``busy()``, compile the programs of the result's standard
+        errors while ``busy()`` (:func:`~numpyro_fed.saem.result.warm_programs`); their
+        runners, for the fit's own convergence check. ``zbuf``: the type of the draws."""
+        t0 = time.perf_counter()
+        while busy() and time.perf_counter() - t0 < wait:
+            time.sleep(0.01)
+        if not busy():
+            return {}
+        fields = dict(info=st.info, layout=st.layout if st.has_subjects else None, ids=ids,
+                      args=args, kwargs=kwargs,
+                      theta=np.zeros(theta0.shape, theta0.dtype),
+                      z_draws=np.zeros(zbuf.shape, zbuf.dtype),
+                      centring=np.zeros(jax.typeof(aux[1]).shape, jax.typeof(aux[1]).dtype))
+        return warm_programs(fields, busy)
 
     fit = run
 

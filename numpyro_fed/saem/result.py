@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import random
 
+from numpyro_fed import _programs
 from numpyro_fed._validation import check_int, check_positive_float
 from numpyro_fed.errors import ConvergenceWarning, SingularFitWarning  # also re-exported
 from numpyro_fed.saem import information as info_mod
@@ -320,6 +322,70 @@ def missing_ratio(obs: np.ndarray, miss: np.ndarray) -> np.ndarray:
         return np.where(v > 0, np.diag(C @ miss @ C) / v, np.nan)
 
 
+def _signature(tree) -> tuple:
+    """The structure and the abstract type (shape, dtype, weak type) of every leaf: a
+    compiled program runs exactly on arguments of one signature."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(jax.typeof(x) for x in leaves)
+
+
+def _abstract(x) -> jax.ShapeDtypeStruct:
+    t = jax.typeof(x)
+    return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type)
+
+
+def warm_programs(result_fields: dict, busy: Callable[[], bool]) -> dict:
+    """Trace and compile, while ``busy()`` (the fit's loop still runs), the programs that the
+    standard errors of a result with these fields would compile, in the order the default
+    path needs them: the conditional modes, the Gaussianity check, then the information of
+    the method ``"auto"`` picks for a model that is not linear Gaussian (Gauss--Hermite up
+    to :data:`~numpyro_fed.saem.information.GH_MAX_LATENTS` latents per group, importance
+    sampling up to :data:`IS_MAX_LATENTS`, else the Louis identity).
+
+    Nothing runs: each step runs abstractly (under :func:`jax.eval_shape`: an eager
+    operation would wait for the running loop, XLA:CPU executing in order), its programs
+    are traced on the abstract types of their arguments (the outputs of a program are zeros
+    of its output types) and compiled into the content-keyed cache
+    (:mod:`numpyro_fed._programs`). The compiled loop runs on XLA's threads while this one
+    traces and compiles, so these overlap the iterations instead of following them. It
+    stops between two programs once the loop is done, so a fit whose standard errors are
+    never asked for waits for at most one program.
+
+    :param result_fields: ``info, layout, ids, args, kwargs`` of the result, ``theta``
+        (flat unconstrained, zeros), ``z_draws`` (``(T, C, d_z)`` zeros), ``centring``.
+    :return: ``{program key: (argument signature, compiled runner)}`` for
+        :attr:`SAEMResult._warm` -- used by the fit's own convergence check when the
+        signature matches, then dropped.
+    """
+    shadow = SAEMResult.__new__(SAEMResult)
+    shadow.__dict__.update(result_fields)
+    shadow.__dict__.update(
+        _programs={}, _warm=None, _compiled={}, _mode_cache=None, _exact_cache=None,
+        singular_params=[], _fisher={})
+    lay = shadow.layout if shadow.layout is not None else joint_layout(shadow.info)
+    steps = [shadow._modes,
+             lambda: shadow._gaussian_exact(random.key(0), jnp.asarray(shadow.z_draws))]
+    if lay.q <= info_mod.GH_MAX_LATENTS:
+        steps.append(lambda: shadow._node_information("gq"))
+    elif lay.q <= IS_MAX_LATENTS:
+        steps.append(lambda: shadow._node_information(
+            "is", num_samples=IS_NUM_SAMPLES, rng_key=random.key(0)))
+    else:
+        steps.append(shadow._louis_information)
+    for step in steps:
+        if not busy():
+            break
+        try:
+            jax.eval_shape(lambda step=step: (step(), None)[1])
+        except Exception:  # noqa: BLE001
+            # a speculative compilation only: the fit's own path traces the same program
+            # again and raises there if it must (as without warming); the suite re-raises
+            if _programs.VERIFY_TRACE_KEYS:
+                raise
+            break
+    return shadow._compiled
+
+
 class StandardErrors(dict):
     """``{coordinate: standard error}`` with the fit's convergence verdict as attributes
     ``converged`` and ``convergence_messages`` (see :meth:`SAEMResult.check_convergence`)."""
@@ -393,6 +459,11 @@ class SAEMResult:
         # compiled likelihood programs, shared by every fit of the same structure (the data
         # are arguments), so that a repeated fit does not recompile them
         self._programs = {} if programs is None else programs
+        #: programs traced and compiled for this result's data while its fit's loop ran
+        #: (:func:`warm_programs`), used by the fit's own convergence check and then dropped
+        #: (a later call traces afresh, as every call does); ``None``: compile-only mode of
+        #: the shadow result that :func:`warm_programs` drives
+        self._warm: dict | None = {}
 
     def _program(self, name: str, build):
         """A compiled ``f(arrays, ids, *args)`` of ``build(args, kwargs)``, cached per
@@ -406,7 +477,26 @@ class SAEMResult:
                 return build(args, kwargs, ids)(*a)
 
             prog = self._programs[key] = jit_loop(f)
-        return lambda *a: prog(arrays, self.ids, *a)
+        warm = getattr(self, "_warm", {})
+        if warm is None:  # the shadow of warm_programs: compile, return zeros of the outputs
+            def compile_only(*a):
+                full = (arrays, self.ids, *a)
+                runner = prog.compiled(*jax.tree.map(_abstract, full))
+                self._compiled[key] = (_signature(full), runner)
+                # host zeros: a device array would wait for the running loop
+                return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
+                                    runner.compiled.out_info)
+
+            return compile_only
+
+        def call(*a):
+            full = (arrays, self.ids, *a)
+            hit = warm.get(key)
+            if hit is not None and hit[0] == _signature(full):
+                return hit[1](*full)
+            return prog(*full)
+
+        return call
 
     # -- estimates ----------------------------------------------------------------------------
     @property
