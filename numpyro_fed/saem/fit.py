@@ -819,6 +819,10 @@ class SAEM:
             num_exploration=self.schedule.num_exploration, settings=self._describe(st),
             programs={}, theta0=np.asarray(theta0),
         )
+        spec = getattr(st.mstep, "spec", None)
+        if isinstance(st.mstep, GaussianMStep) and spec.diag_sites:
+            # the diagonal random-effect scales, for the boundary slopes of the check
+            res._diag_scales = (tuple(spec.diag_sites), np.asarray(spec.lat_g))
         res._warm = warm
         try:
             res.convergence_messages = res.check_convergence(warn=True)

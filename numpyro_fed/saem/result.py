@@ -25,7 +25,7 @@ from numpyro_fed.saem.model import (
     merge_data,
     split_data,
 )
-from numpyro_fed.saem.mstep import VARIANCE_FLOOR
+from numpyro_fed.saem.mstep import VARIANCE_FLOOR, unwrap_normal
 
 __all__ = ["SAEMResult", "ConvergenceWarning", "SingularFitWarning", "StandardErrors",
            "boundary_collapse", "singular_coords", "missing_ratio"]
@@ -1294,6 +1294,95 @@ class SAEMResult:
         return self._exact64_cache
 
     # -- diagnostics --------------------------------------------------------------------------
+    def boundary_slope(self, name: str) -> tuple[float, float] | None:
+        r"""The derivative of the log-likelihood :math:`\log p(y\mid\theta)` in the variance
+        :math:`\omega^2` of the diagonal random-effect scale ``name`` (a flat constrained
+        coordinate, e.g. ``"omega"`` or ``"omega[1]"``) at :math:`\omega = 0`, the other
+        coordinates at the estimate, and its Monte Carlo standard error: ``(D, se)``, or
+        ``None`` when ``name`` is not such a scale (the closed-form Gaussian M-step's
+        diagonal sites only).
+
+        With :math:`z_l = \mu_l + r_l\omega\eta_l` for the elements :math:`l` of that
+        scale (standard normal :math:`\eta_l`, independent),
+        :math:`\partial_{\omega^2} \log p(y\mid\theta)|_{\omega=0} = \tfrac12 \sum_l
+        r_l^2\, E[(\partial_l \ell)^2 + \partial^2_l \ell]`, where :math:`\ell` is the
+        complete-data log-density without those elements' own priors, evaluated at
+        :math:`z_l = \mu_l`, and the expectation is over the other latents given the data --
+        estimated from the final draws, where that variance sits at the M-step's floor (the
+        diagonal of the Hessian by Rademacher probes: exact when, as usual, no term of the
+        model holds two of those elements). ``D <= 0``: 0 is a maximum along it (a boundary
+        fit); ``D > 0``: the likelihood increases away from 0, so an estimate held at 0 is
+        not the maximum. No Monte Carlo error (``se = 0``) when no other latent enters."""
+        spec = getattr(self, "_diag_scales", None)
+        if spec is None or name not in self.names:
+            return None
+        sites, lat_g = spec
+        j = self.names.index(name)
+        sel = np.asarray(lat_g) == j
+        if not np.any(sel):
+            return None
+        info = self.info
+        zs = np.asarray(self.z_draws)
+        T, C = zs.shape[:2]
+        signs = np.where(np.random.default_rng(0).random((T * C, sel.size)) < 0.5, -1.0, 1.0)
+
+        def build(args, kwargs, ids):
+            def f(theta_u, zs, signs):
+                tc = info.constrain_theta(theta_u)
+                tflat = info.theta_c_flat(theta_u)
+                m = jnp.asarray(sel)
+
+                def one(zf, sg):
+                    zc, _ = info.constrain_z(zf)
+                    sizes = [int(np.size(zc[n])) for n in sites]
+
+                    def split(x):
+                        out, o = dict(zc), 0
+                        for n, k in zip(sites, sizes, strict=True):
+                            out[n] = x[o:o + k].reshape(jnp.shape(zc[n]))
+                            o += k
+                        return out
+
+                    tr = info.trace_at(tc, zc, args, kwargs)
+                    loc = jnp.concatenate([unwrap_normal(tr[n]["fn"], tr[n]["value"])[0]
+                                           .reshape(-1) for n in sites])
+                    sc = jnp.concatenate([unwrap_normal(tr[n]["fn"], tr[n]["value"])[1]
+                                          .reshape(-1) for n in sites])
+                    zl = jnp.concatenate([zc[n].reshape(-1) for n in sites])
+                    x0 = jnp.where(m, loc, zl)
+                    r = jnp.where(m, sc / tflat[j], 0.0)
+
+                    def ell(x):
+                        lps = info.site_log_probs({**tc, **split(x)}, args, kwargs)
+                        tot, o = 0.0, 0
+                        keep = {n: None for n in sites}
+                        for n, k in zip(sites, sizes, strict=True):
+                            keep[n] = ~m[o:o + k]
+                            o += k
+                        for n, v in lps.items():
+                            if n in keep:
+                                v = jnp.where(keep[n].reshape(jnp.shape(v)), v, 0.0)
+                            tot = tot + jnp.sum(v)
+                        return tot
+
+                    g = jax.grad(ell)(x0)
+                    v = sg * r
+                    hv = jax.jvp(jax.grad(ell), (x0,), (v,))[1]
+                    return 0.5 * (jnp.sum((r * g) ** 2) + jnp.dot(v, hv))
+
+                return jax.vmap(one)(zs, signs)
+
+            return f
+
+        d = self._program(("boundary_slope", name), build)(
+            jnp.asarray(self.theta), jnp.asarray(zs.reshape(T * C, -1)),
+            jnp.asarray(signs, zs.dtype))
+        d = np.asarray(d, np.float64).reshape(T, C).mean(1)
+        B = min(10, T)
+        bm = np.array([b.mean() for b in np.array_split(d, B)])
+        se = float(np.std(bm, ddof=1) / np.sqrt(B)) if B > 1 else float("nan")
+        return float(d.mean()), se
+
     def check_convergence(self, warn: bool = True) -> list[str]:
         """Signs of a fit that has not converged, as messages naming what to change (warned
         as :class:`ConvergenceWarning` when ``warn``; the fit keeps them in
@@ -1335,6 +1424,29 @@ class SAEMResult:
         # coordinates that end at their boundary (a singular fit): their Monte Carlo moves
         # at the floor (a factor of a few around 1e-5 of their largest value) are no drift
         sing = singular_coords(info, X, th0) if info is not None and K else []
+        # a random-effect variance ending near 0 is judged by the likelihood's slope at 0
+        # (boundary_slope): a claimed boundary where the likelihood rises away from 0 is a
+        # collapse, not a maximum; a variance still creeping down to 0 (EM's sublinear pace
+        # towards a boundary maximum) whose slope there is <= 0 is at the boundary
+        slopes, refuted, settled = {}, [], []
+        if info is not None and K and getattr(self, "_diag_scales", None) is not None:
+            ref_all = np.nanmax(np.abs(np.concatenate(
+                [X, np.asarray(th0, np.float64).reshape(1, -1)] if th0 is not None else [X])),
+                axis=0)
+            tail = X[-max(K // 4, 1):]
+            for j in sorted(set(np.asarray(self._diag_scales[1]).tolist())):
+                small = np.median(np.abs(tail[:, j])) < BOUNDARY_SETTLED_RATIO * ref_all[j]
+                if j not in sing and not small:
+                    continue
+                sl = self.boundary_slope(cols[j])
+                if sl is None or not np.all(np.isfinite(sl)):
+                    continue
+                slopes[j] = sl
+                if j in sing and sl[0] > 3.0 * sl[1]:
+                    refuted.append(j)
+                elif j not in sing and sl[0] + 2.0 * sl[1] <= 0.0:
+                    settled.append(j)
+        sing = sorted((set(sing) - set(refuted)) | set(settled))
         self.singular_params = [cols[j] for j in sing]
         live = np.ones(len(cols), bool)
         live[sing] = False
@@ -1423,30 +1535,60 @@ class SAEMResult:
                     "(use the default adaptive E-step, or a smaller step size of your kernel)."
                 )
         # -- boundary
-        singular_msg = None
-        if info is not None and K:
-            b = boundary_collapse(info, X, th0)
-            if b is not None:
-                sing_now = b["name"] in self.singular_params
-                others = [n for n in self.singular_params if n != b["name"]]
-                msgs.append(
-                    (_SINGULAR_PREFIX if sing_now else "SAEM: ")
-                    + (f"{others} also end at their boundary; " if others else "")
-                    + f"'{b['name']}' fell to {b['value']:.3g} at iteration "
-                    f"{b['iteration']} (down from {b['reference']:.3g} earlier): it is heading to "
-                    f"{b['bound']:g}, the boundary of its support, and "
-                    + boundary_advice(b) + "; the other estimates of such a fit (and "
-                    "the -2LL) may have been thrown off by it."
-                    + (f" It ends there ({X[-1, cols.index(b['name'])]:.3g}, held at "
-                       f"{VARIANCE_FLOOR:g} of its largest value by the M-step): the estimates "
-                       "are the maximum on the boundary (lme4 reports such a fit as "
-                       "'boundary (singular) fit')." if sing_now else "")
-                )
-                if sing_now:
-                    singular_msg = msgs[-1]
+        singular_msgs = []
+        b = boundary_collapse(info, X, th0) if info is not None and K else None
+
+        def slope_text(j):
+            D, se = slopes[j]
+            return (f"d log L / d {cols[j]}^2 at 0 = {D:.3g}"
+                    + (f" (Monte Carlo SE {se:.2g})" if se > 0 else ""))
+
+        for j in settled:
+            if b is not None and b["name"] == cols[j]:
+                continue
+            msgs.append(
+                f"{_SINGULAR_PREFIX}'{cols[j]}' ends at {X[-1, j]:.3g} "
+                f"({np.median(np.abs(X[-max(K // 4, 1):, j])) / ref_all[j]:.2g} of its "
+                "largest value over the last quarter) and the log-likelihood decreases away "
+                f"from 0 along it ({slope_text(j)}): its maximum-likelihood value is 0 and the "
+                "estimates are the maximum on the boundary, the -2LL that of the fit (lme4 "
+                "reports such a fit as 'boundary (singular) fit')."
+            )
+            singular_msgs.append(msgs[-1])
+        for j in refuted:
+            if b is not None and b["name"] == cols[j]:
+                continue
+            msgs.append(
+                f"SAEM: '{cols[j]}' ends at {X[-1, j]:.3g}, near 0, but the log-likelihood "
+                f"increases away from 0 along it ({slope_text(j)}): 0 is not its maximum, the "
+                "variance collapsed on the way; refit with a larger initial value "
+                "(init_params) or a longer exploration phase.")
+        if b is not None:
+            sing_now = b["name"] in self.singular_params
+            others = [n for n in self.singular_params if n != b["name"]]
+            msgs.append(
+                (_SINGULAR_PREFIX if sing_now else "SAEM: ")
+                + (f"{others} also end at their boundary; " if others else "")
+                + f"'{b['name']}' fell to {b['value']:.3g} at iteration "
+                f"{b['iteration']} (down from {b['reference']:.3g} earlier): it is heading to "
+                f"{b['bound']:g}, the boundary of its support, and "
+                + (boundary_advice(b) if cols.index(b["name"]) not in refuted else
+                   "the log-likelihood increases away from 0 along it ("
+                   + slope_text(cols.index(b["name"])) + "): 0 is not its maximum, the "
+                   "variance collapsed on the way (refit with a larger initial value, "
+                   "init_params, or a longer exploration phase)")
+                + "; the other estimates of such a fit (and the -2LL) may have been thrown "
+                "off by it."
+                + (f" It ends there ({X[-1, cols.index(b['name'])]:.3g}, held at "
+                   f"{VARIANCE_FLOOR:g} of its largest value by the M-step): the estimates "
+                   "are the maximum on the boundary (lme4 reports such a fit as "
+                   "'boundary (singular) fit')." if sing_now else "")
+            )
+            if sing_now:
+                singular_msgs.append(msgs[-1])
         if warn:
             for m in msgs:
-                warnings.warn(m, SingularFitWarning if m is singular_msg else
+                warnings.warn(m, SingularFitWarning if any(m is x for x in singular_msgs) else
                               ConvergenceWarning, stacklevel=3)
         return msgs
 
