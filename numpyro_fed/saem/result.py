@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import random
+from jax.scipy.stats import norm
 
 from numpyro_fed import _programs
 from numpyro_fed._validation import check_int, check_positive_float
@@ -1330,6 +1331,7 @@ class SAEMResult:
             def f(theta_u, zs, signs):
                 tc = info.constrain_theta(theta_u)
                 tflat = info.theta_c_flat(theta_u)
+                t1 = info._unravel_theta_c(tflat.at[j].set(1.0))
                 m = jnp.asarray(sel)
 
                 def one(zf, sg):
@@ -1351,19 +1353,14 @@ class SAEMResult:
                     zl = jnp.concatenate([zc[n].reshape(-1) for n in sites])
                     x0 = jnp.where(m, loc, zl)
                     r = jnp.where(m, sc / tflat[j], 0.0)
+                    rr = jnp.where(m, r, 1.0)
 
                     def ell(x):
-                        lps = info.site_log_probs({**tc, **split(x)}, args, kwargs)
-                        tot, o = 0.0, 0
-                        keep = {n: None for n in sites}
-                        for n, k in zip(sites, sizes, strict=True):
-                            keep[n] = ~m[o:o + k]
-                            o += k
-                        for n, v in lps.items():
-                            if n in keep:
-                                v = jnp.where(keep[n].reshape(jnp.shape(v)), v, 0.0)
-                            tot = tot + jnp.sum(v)
-                        return tot
+                        # the complete-data log-density at omega = 1 (a scale at its floor
+                        # would put -1/omega^2 in the curvature) minus those elements' own
+                        # priors, N(loc, r^2) there: exact at x = loc up to rounding
+                        lj = info.log_joint_c(t1, split(x), args, kwargs)
+                        return lj - jnp.sum(jnp.where(m, norm.logpdf(x, loc, rr), 0.0))
 
                     g = jax.grad(ell)(x0)
                     v = sg * r
@@ -1438,7 +1435,14 @@ class SAEMResult:
                 small = np.median(np.abs(tail[:, j])) < BOUNDARY_SETTLED_RATIO * ref_all[j]
                 if j not in sing and not small:
                     continue
-                sl = self.boundary_slope(cols[j])
+                try:
+                    sl = self.boundary_slope(cols[j])
+                except Exception:  # noqa: BLE001
+                    # a model the slope's program cannot differentiate: judged by the
+                    # trajectory alone, as before (the suite's strict mode raises)
+                    if _programs.VERIFY_TRACE_KEYS:
+                        raise
+                    continue
                 if sl is None or not np.all(np.isfinite(sl)):
                     continue
                 slopes[j] = sl
