@@ -223,6 +223,21 @@ def test_a_variance_creeping_to_a_boundary_maximum_is_singular():
     assert "d log L / d omega^2 at 0 = -4.86" in msgs[0]
 
 
+def test_a_variance_still_far_from_a_boundary_maximum_is_warned():
+    """The same data, the fit ending at omega = 0.2 (normal-normal seed 25 of 40 ended at 0.22, with
+    -2LL 0.10 above the maximum at 0 and no message): not a boundary fit yet, but the
+    likelihood's slope at 0 says the maximum is there -- a ConvergenceWarning, not
+    silence."""
+    y = np.random.default_rng(7).normal(0, 1, 30).astype(np.float32)
+    res, _, _ = _fit(normal_normal, 7, y=y)
+    K = len(res.trajectory)
+    res = _with_omega_path(res, np.r_[np.geomspace(1.0, 0.2, K // 2), np.full(K - K // 2, 0.2)])
+    msgs = res.check_convergence(warn=False)
+    assert res.singular_params == []
+    hit = [m for m in msgs if m.startswith("SAEM: 'omega' ends at 0.2,")]
+    assert hit and "0 is a maximum along it" in hit[0], msgs
+
+
 def test_normal_normal_inside_is_not_singular():
     """The same model with var(y) = 3.25 (omega^2 = 2.25 inside): not singular, no
     SingularFitWarning."""
