@@ -395,6 +395,28 @@ def warm_programs(result_fields: dict, busy: Callable[[], bool]) -> dict:
     return shadow._compiled
 
 
+def _slope_message(kind: str, name: str, value: float, ratio: float, slope: str) -> str:
+    """What the likelihood's slope at 0 says of a random-effect scale ending near 0
+    (:meth:`SAEMResult.check_convergence`): ``settled`` (a boundary fit), ``short`` (a
+    boundary maximum not reached yet), ``refuted`` (a collapse, not a maximum)."""
+    if kind == "settled":
+        return (f"{_SINGULAR_PREFIX}'{name}' ends at {value:.3g} ({ratio:.2g} of its largest "
+                "value over the last quarter) and the log-likelihood decreases away from 0 "
+                f"along it ({slope}): its maximum-likelihood value is 0 and the estimates are "
+                "the maximum on the boundary, the -2LL that of the fit (lme4 reports such a "
+                "fit as 'boundary (singular) fit').")
+    if kind == "short":
+        return (f"SAEM: '{name}' ends at {value:.3g}, but the log-likelihood decreases away "
+                f"from 0 along it ({slope}): 0 is a maximum along it, probably the maximum (a "
+                "boundary fit), which the fit was still approaching at EM's slow pace near a "
+                "boundary. Lengthen the final phase (Schedule(num_iters=...)) or compare the "
+                "-2LL with that variance fixed at 0.")
+    return (f"SAEM: '{name}' ends at {value:.3g}, near 0, but the log-likelihood increases "
+            f"away from 0 along it ({slope}): 0 is not its maximum, the variance collapsed on "
+            "the way; refit with a larger initial value (init_params) or a longer exploration "
+            "phase.")
+
+
 class StandardErrors(dict):
     """``{coordinate: standard error}`` with the fit's convergence verdict as attributes
     ``converged`` and ``convergence_messages`` (see :meth:`SAEMResult.check_convergence`)."""
@@ -1556,36 +1578,14 @@ class SAEMResult:
             return (f"d log L / d {cols[j]}^2 at 0 = {D:.3g}"
                     + (f" (Monte Carlo SE {se:.2g})" if se > 0 else ""))
 
-        for j in settled:
-            if b is not None and b["name"] == cols[j]:
-                continue
-            msgs.append(
-                f"{_SINGULAR_PREFIX}'{cols[j]}' ends at {X[-1, j]:.3g} "
-                f"({np.median(np.abs(X[-max(K // 4, 1):, j])) / ref_all[j]:.2g} of its "
-                "largest value over the last quarter) and the log-likelihood decreases away "
-                f"from 0 along it ({slope_text(j)}): its maximum-likelihood value is 0 and the "
-                "estimates are the maximum on the boundary, the -2LL that of the fit (lme4 "
-                "reports such a fit as 'boundary (singular) fit')."
-            )
-            singular_msgs.append(msgs[-1])
-        for j in short:
-            if b is not None and b["name"] == cols[j]:
-                continue
-            msgs.append(
-                f"SAEM: '{cols[j]}' ends at {X[-1, j]:.3g}, but the log-likelihood decreases "
-                f"away from 0 along it ({slope_text(j)}): 0 is a maximum along it, probably "
-                "the maximum (a boundary fit), which the fit was still approaching at EM's "
-                "slow pace near a boundary. Lengthen the final phase (Schedule(num_iters=...)) "
-                "or compare the -2LL with that variance fixed at 0."
-            )
-        for j in refuted:
-            if b is not None and b["name"] == cols[j]:
-                continue
-            msgs.append(
-                f"SAEM: '{cols[j]}' ends at {X[-1, j]:.3g}, near 0, but the log-likelihood "
-                f"increases away from 0 along it ({slope_text(j)}): 0 is not its maximum, the "
-                "variance collapsed on the way; refit with a larger initial value "
-                "(init_params) or a longer exploration phase.")
+        for kind, js in (("settled", settled), ("short", short), ("refuted", refuted)):
+            for j in js:
+                if b is not None and b["name"] == cols[j]:
+                    continue  # said by the collapse's message below
+                ratio = np.median(np.abs(X[-max(K // 4, 1):, j])) / ref_all[j]
+                msgs.append(_slope_message(kind, cols[j], X[-1, j], ratio, slope_text(j)))
+                if kind == "settled":
+                    singular_msgs.append(msgs[-1])
         if b is not None:
             sing_now = b["name"] in self.singular_params
             others = [n for n in self.singular_params if n != b["name"]]
