@@ -36,8 +36,14 @@ def _run(case, monkeypatch, busy_answers):
     monkeypatch.setattr(fit_mod, "WARM_AFTER_S", 0.0)
     monkeypatch.setattr(SAEM, "_loop_busy",
                         staticmethod(lambda outputs: lambda: bool(answers and answers.pop(0))))
-    warmed, after = {}, []
+    warmed, after, asked = {}, [], []
     orig_warm, orig_compile = fit_mod.warm_programs, programs.compile_program
+    orig_program = result_mod.SAEMResult._program
+
+    def program(self, name, build):
+        if warmed and self._warm:  # the fit's own check, after the warming
+            asked.append(name)
+        return orig_program(self, name, build)
 
     def warm(fields, busy):
         out = orig_warm(fields, busy)
@@ -51,10 +57,11 @@ def _run(case, monkeypatch, busy_answers):
 
     monkeypatch.setattr(fit_mod, "warm_programs", warm)
     monkeypatch.setattr(programs, "compile_program", compile_program)
+    monkeypatch.setattr(result_mod.SAEMResult, "_program", program)
     res = SAEM(case.model).run(jax.random.key(3), **case.data)
     se = res.standard_errors()
     monkeypatch.undo()
-    return res, se, warmed, after
+    return res, se, warmed, after, asked
 
 
 def _same(a, b):
@@ -62,15 +69,18 @@ def _same(a, b):
 
 
 def test_warmed_programs_serve_the_fit_and_change_no_number(theoph, monkeypatch):
-    ref, se_ref, warmed0, _ = _run(theoph, monkeypatch, [])  # never busy: no warming
+    ref, se_ref, warmed0, _, _ = _run(theoph, monkeypatch, [])  # never busy: no warming
     assert warmed0 == {}
     # the loop "runs" through the whole warming: the modes, the Gaussianity check and the
     # Gauss-Hermite information (3 latents per subject) are compiled
-    res, se, warmed, after = _run(theoph, monkeypatch, [True] * 10)
+    res, se, warmed, after, asked = _run(theoph, monkeypatch, [True] * 10)
     assert {k[0] for k in warmed} == {("modes",), ("exact",), ("info_gq", None)}
     # the fit's convergence check computed its standard errors with the warmed runners:
-    # none of the three was traced or compiled again (their programs are named "f")
-    assert "f" not in after
+    # none of the three was traced or compiled again (the library's result programs are all
+    # named "f": only those the warming does not cover -- the slope of the likelihood at 0
+    # of a scale that fell -- are compiled by the check)
+    assert {n for n in asked if n in {k[0] for k in warmed}}  # it used warmed programs
+    assert after.count("f") == len({n for n in asked if n not in {k[0] for k in warmed}})
     assert res._warm == {}  # dropped after the fit: a later call traces afresh
     np.testing.assert_array_equal(res.theta, ref.theta)
     assert _same(se, se_ref)
@@ -80,7 +90,7 @@ def test_warmed_programs_serve_the_fit_and_change_no_number(theoph, monkeypatch)
 def test_warming_stops_when_the_loop_ends(theoph, monkeypatch):
     # busy through the wait and the first program only (the wait asks twice): the modes
     # are compiled, nothing else
-    _, se, warmed, _ = _run(theoph, monkeypatch, [True, True, True, False])
+    _, se, warmed, _, _ = _run(theoph, monkeypatch, [True, True, True, False])
     assert [k[0] for k in warmed] == [("modes",)]
     assert all(np.isfinite(v) for v in se.values())
 
