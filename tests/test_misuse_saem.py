@@ -25,6 +25,7 @@ from numpyro.distributions import constraints
 
 from numpyro_fed import ConvergenceWarning, DivergenceError
 from numpyro_fed.saem import SAEM, Schedule
+from numpyro_fed.saem.result import BOUNDARY_SETTLED_RATIO
 
 pytestmark = pytest.mark.xdist_group("saem_misuse")
 
@@ -209,13 +210,15 @@ def test_a_variance_collapsing_to_its_boundary_is_named():
 
 
 def test_a_variance_at_its_boundary_warns():
-    """The same model on seed 1 (var(y) = 0.68): omega ends near 1e-4 without a crash; the
+    """The same model on seed 1 (var(y) = 0.68, omega's MLE 0): omega ends near its boundary
+    without a crash (at 1e-4 before the interweaving cycle's limit while gamma = 1, at 0.028
+    with it: -2LL 0.007 above the maximum, within the settled band of a boundary fit); the
     fit warns that omega is heading to its boundary, and so do its SEs."""
     y = np.random.default_rng(1).normal(0, 1, 30).astype(np.float32)
     with pytest.warns(ConvergenceWarning, match=r"'omega' fell to .* heading to 0, the "
                                                 r"boundary of its support"):
         res = SAEM(normal_normal).run(random.key(1), y=y)
-    assert float(res.params["omega"]) < 1e-2
+    assert float(res.params["omega"]) < BOUNDARY_SETTLED_RATIO
     with pytest.warns(ConvergenceWarning, match="boundary"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The Louis information")
         res.standard_errors()

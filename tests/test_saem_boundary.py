@@ -396,3 +396,18 @@ def test_singular_coords_floor_band():
     assert singular_coords(info, kicked[:, None], np.ones(1)) == [0]
     assert singular_coords(info, small[:, None], np.ones(1)) == []
     assert singular_coords(info, big[:, None], np.array([100.0])) == []
+
+
+def test_normal_normal_seeds_benchmark_smoke():
+    """``benchmarks/saem_normal_normal_seeds.py`` (the 40-seed table of the README) runs:
+    two seeds, one with each kind of maximum."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "saem_normal_normal_seeds.py"
+    spec = importlib.util.spec_from_file_location("saem_normal_normal_seeds", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = mod.main(["--seeds", "2"])
+    assert "| 0 | 0.000 |" in text and "| 1 | 0.000 |" in text
+    assert "- boundary maximum (2 seeds): gap up to" in text
+    assert "silent with a gap above 0.05: 0" in text
