@@ -1240,7 +1240,8 @@ class GaussianMStep(MStep):
         info = self.info
         s_new = self._mean_stats(theta_u, z, data)
         s = jax.tree.map(lambda a, b: a + gamma * (b - a), state.s, s_new)
-        t = self._maximize(s, info.theta_c_flat(theta_u), aux, anneal)
+        tc_u = info.theta_c_flat(theta_u)
+        t = self._maximize(s, tc_u, aux, anneal)
         theta_new = info.unconstrain_theta(self._unravel_c(t))
         nw, nc = state.newton, state.nc
         if self.spec.newton_idx.size:
@@ -1294,11 +1295,11 @@ class GaussianMStep(MStep):
                 # cycle keeps its pace)
                 old_c = info.theta_c_flat(theta2)
                 new_c = info.theta_c_flat(theta_new)
-                up = old_c >= info.theta_c_flat(theta_u)
-                low = (jnp.asarray(self.is_lat_scale) & up & (gamma >= 1.0)
-                       & (new_c < np.sqrt(NC_EXPLORE_TAU) * old_c))
-                capped = _anneal_flat(info, theta2, theta_new, self.is_lat_scale,
-                                      (gamma >= 1.0) & up, NC_EXPLORE_TAU)
+                bound = np.sqrt(NC_EXPLORE_TAU) * old_c
+                low = (jnp.asarray(self.is_lat_scale) & (old_c >= tc_u) & (gamma >= 1.0)
+                       & (new_c < bound))
+                capped = info.unconstrain_theta(info._unravel_theta_c(
+                    jnp.where(low, bound, new_c)))
                 capped = jnp.where(jnp.any(low), capped, theta_new)  # bit for bit otherwise
                 nc = nc._replace(g=nc.g + nc.Hmod @ (capped - theta_new)[idx])
                 theta_new = capped

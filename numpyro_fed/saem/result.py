@@ -1376,10 +1376,9 @@ class SAEMResult:
                         return out
 
                     tr = info.trace_at(tc, zc, args, kwargs)
-                    loc = jnp.concatenate([unwrap_normal(tr[n]["fn"], tr[n]["value"])[0]
-                                           .reshape(-1) for n in sites])
-                    sc = jnp.concatenate([unwrap_normal(tr[n]["fn"], tr[n]["value"])[1]
-                                          .reshape(-1) for n in sites])
+                    parts = [unwrap_normal(tr[n]["fn"], tr[n]["value"]) for n in sites]
+                    loc = jnp.concatenate([p[0].reshape(-1) for p in parts])
+                    sc = jnp.concatenate([p[1].reshape(-1) for p in parts])
                     zl = jnp.concatenate([zc[n].reshape(-1) for n in sites])
                     x0 = jnp.where(m, loc, zl)
                     r = jnp.where(m, sc / tflat[j], 0.0)
