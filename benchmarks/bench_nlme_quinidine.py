@@ -4,8 +4,10 @@
 one compartment with first-order absorption, random effects on ``CL`` and ``V``, additive
 error, SAEM's defaults.
 
-Usage: ``python benchmarks/bench_nlme_quinidine.py [--quick] [--scaling]``; prints markdown
-tables (nothing is written).
+Usage: ``python benchmarks/bench_nlme_quinidine.py [--quick] [--scaling] [--covariates]``;
+prints markdown tables (nothing is written). ``--covariates``: the same workflow for the
+covariate model of ``docs/nlme.md`` (``CL`` with ``GLYCO`` and ``WEIGHT`` in force at each
+record, time-varying: the record-by-record path of ``nlme.timevarying``).
 
 * **workflow** (each row a fresh subprocess, so that its peak memory is its own): the first
   fit in a fresh process (compilation included, and its tracing/compilation seconds as
@@ -75,12 +77,15 @@ def quinidine_frame():
     })
 
 
-def _model():
+def _model(covariates: bool = False):
+    """The base model, or (``covariates``) ``CL`` with ``GLYCO`` and ``WEIGHT`` in force at
+    each record (time-varying: the piecewise path of ``nlme.timevarying``)."""
     from numpyro_fed import nlme
 
+    cl_cov = {"GLYCO": "linear", "WEIGHT": "linear"} if covariates else {}
     return nlme.PKModel(
         nlme.one_compartment(),
-        params={"CL": nlme.Param(10.0), "V": nlme.Param(200.0),
+        params={"CL": nlme.Param(10.0, covariates=cl_cov), "V": nlme.Param(200.0),
                 "KA": nlme.Param(1.0, random=False)},
         error="additive")
 
@@ -92,7 +97,7 @@ def _rss_gb() -> float:
 
 
 # ----------------------------------------------------------------------------- workflow child
-def _workflow(quick: bool, steps: list[str], out: str) -> None:
+def _workflow(quick: bool, steps: list[str], out: str, covariates: bool = False) -> None:
     import jax
     from _common import timed
 
@@ -106,8 +111,9 @@ def _workflow(quick: bool, steps: list[str], out: str) -> None:
         rec["steps"][name] = {"s": wall, "compile_s": comp, "peak_gb": _rss_gb()}
         Path(out).write_text(json.dumps(rec))
 
-    data = nlme.PKDataset.from_dataframe(quinidine_frame(), covariates=[])
-    pk = _model()
+    data = (nlme.load_quinidine() if covariates
+            else nlme.PKDataset.from_dataframe(quinidine_frame(), covariates=[]))
+    pk = _model(covariates)
     kw = {"schedule": Schedule(num_iters=60, num_exploration=40), "num_draws": 50} if quick \
         else {}
     box: dict = {}
@@ -153,11 +159,12 @@ def _child(args: list[str]) -> dict:
     return rec
 
 
-def workflow_table(quick: bool) -> str:
+def workflow_table(quick: bool, covariates: bool = False) -> str:
     from _common import device_name, md_table
 
     steps = ["repeat", "table", "m2ll", "diagnostics", "plots"]
-    rec = _child((["--quick"] if quick else []) + ["--steps", ",".join(steps)])
+    rec = _child((["--quick"] if quick else []) + (["--covariates"] if covariates else [])
+                 + ["--steps", ",".join(steps)])
     rows = []
     for name, r in rec["steps"].items():
         tgt = TARGETS.get(name)
@@ -171,7 +178,9 @@ def workflow_table(quick: bool) -> str:
                  f"{peak:.2f} (target {PEAK_TARGET_GB}, ratio {peak / PEAK_TARGET_GB:.2f})"])
     head = ["step", "seconds", "of which compile", "target s", "/ target", "/ nlme",
             "peak GB after"]
-    cap = (f"nlme::Quinidine, 1-cmt oral, RE on CL and V, additive error, SAEM defaults"
+    model = ("CL with GLYCO and WEIGHT in force at each record (time-varying), "
+             if covariates else "")
+    cap = (f"nlme::Quinidine, 1-cmt oral, RE on CL and V, {model}additive error, SAEM defaults"
            f"{' (--quick: short schedule)' if quick else ''}; {device_name()}; "
            f"-2LL = {rec.get('m2ll', float('nan')):.2f}")
     text = cap + "\n\n" + md_table(head, rows)
@@ -279,16 +288,18 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--quick", action="store_true", help="short schedule (smoke test)")
     ap.add_argument("--scaling", action="store_true", help="also the scaling table")
     ap.add_argument("--only-scaling", action="store_true", help="only the scaling table")
+    ap.add_argument("--covariates", action="store_true",
+                    help="the workflow of the time-varying covariate model (GLYCO, WEIGHT on CL)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--steps", default="repeat,table,m2ll,diagnostics,plots",
                     help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        _workflow(a.quick, a.steps.split(","), a.child)
+        _workflow(a.quick, a.steps.split(","), a.child, a.covariates)
         return ""
     parts = []
     if not a.only_scaling:
-        parts.append(workflow_table(a.quick))
+        parts.append(workflow_table(a.quick, a.covariates))
     if a.scaling or a.only_scaling:
         parts.append(scaling_table(a.quick))
     text = "\n\n".join(parts)

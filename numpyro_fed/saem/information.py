@@ -41,7 +41,6 @@ from jax import lax
 
 from numpyro_fed.saem.likelihood import _mvt_logpdf, _student_t, conditional_moments
 from numpyro_fed.saem.model import (
-    FORWARD_HESSIAN_MAX,
     ModelInfo,
     SubjectLayout,
     block_hessian,
@@ -49,6 +48,7 @@ from numpyro_fed.saem.model import (
     log_joint_per_subject,
     pad_log_density,
     pad_mask,
+    prefer_forward,
     to_blocks,
 )
 
@@ -173,8 +173,10 @@ def node_hessian(info: ModelInfo, lay: SubjectLayout, ids, theta_u, nodes, logw,
     r = W.shape[1]
     bid = jnp.repeat(jnp.arange(B), m)
 
+    fwd = prefer_forward(lambda tu: jnp.sum(a_of(tu, nodes[0])[0]), theta_u)
+
     def one(bk, wk):
-        if p <= FORWARD_HESSIAN_MAX:
+        if fwd:
             # forward over forward (see score_hessian): every subject's gradient and
             # Hessian from the p x p second directional derivatives, no reverse pass
             def grads(tu):

@@ -45,10 +45,10 @@ from jax.flatten_util import ravel_pytree
 from numpyro.distributions import constraints
 
 from numpyro_fed.saem.model import (
-    FORWARD_HESSIAN_MAX,
     ModelInfo,
     jit_once,
     merge_data,
+    prefer_forward,
     score_hessian,
     split_data,
 )
@@ -1198,17 +1198,17 @@ class GaussianMStep(MStep):
             z2, lj = self._nc_path(t, theta_u, zf, aux)
             return info.log_joint(t, z2, args, kwargs) + lj
 
-        # forward mode for a few coordinates (the reverse pass of a sparse-superposition PK
-        # model is slow on XLA:CPU; see FORWARD_HESSIAN_MAX)
-        gfn = jax.jacfwd(ll) if idx.shape[0] <= FORWARD_HESSIAN_MAX else jax.grad(ll)
         x0 = theta_u[idx]
-        g = jnp.mean(jax.vmap(lambda zf: gfn(x0, zf))(z), 0)
-        # the Hessian (the costly part: forward over forward for a few coordinates,
-        # score_hessian) at one chain, a different one at each update: it scales the step
-        # only (the fixed point is where the SA-averaged score vanishes), and its SA average
-        # runs over the chains
         zc = lax.dynamic_index_in_dim(z, chain % z.shape[0], keepdims=False)
-        H = score_hessian(lambda x: ll(x, zc), x0)[1]
+        # forward mode for a few coordinates of a model without a loop (the reverse pass of
+        # a sparse-superposition PK model is slow on XLA:CPU; see prefer_forward)
+        fwd = prefer_forward(lambda x: ll(x, zc), x0)
+        gfn = jax.jacfwd(ll) if fwd else jax.grad(ll)
+        g = jnp.mean(jax.vmap(lambda zf: gfn(x0, zf))(z), 0)
+        # the Hessian (the costly part, score_hessian) at one chain, a different one at each
+        # update: it scales the step only (the fixed point is where the SA-averaged score
+        # vanishes), and its SA average runs over the chains
+        H = score_hessian(lambda x: ll(x, zc), x0, forward=fwd)[1]
         return g, H
 
     def _nc_objective(self, theta_u, z, data, aux: GaussianAux):
