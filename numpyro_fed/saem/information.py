@@ -173,7 +173,7 @@ def node_hessian(info: ModelInfo, lay: SubjectLayout, ids, theta_u, nodes, logw,
     r = W.shape[1]
     bid = jnp.repeat(jnp.arange(B), m)
 
-    fwd = prefer_forward(lambda tu: jnp.sum(a_of(tu, nodes[0])[0]), theta_u)
+    fwd = prefer_forward(lambda tu: jnp.sum(a_of(tu, nodes[0])[0]), theta_u, info)
 
     def one(bk, wk):
         if fwd:

@@ -347,6 +347,9 @@ class ModelInfo:
     def __init__(self, model, args, kwargs, key):
         tr = _trace_model(model, args, kwargs, key)
         self.model = model
+        #: whether the model's log density runs a loop (scan / while), found at the first
+        #: use (:func:`prefer_forward`)
+        self._has_loop: bool | None = None
         params = {n: s for n, s in tr.items() if s["type"] == "param"}
         latents = {
             n: s for n, s in tr.items() if s["type"] == "sample" and not s["is_observed"]
@@ -1541,29 +1544,36 @@ def _has_loop(jaxpr) -> bool:
     return False
 
 
-def prefer_forward(f: Callable, x: jax.Array) -> bool:
+def prefer_forward(f: Callable, x: jax.Array, info: ModelInfo | None = None) -> bool:
     """Whether the derivatives of a scalar function ``f`` in its ``d`` coordinates ``x``
     ``(d,)`` are cheaper in forward mode (a ``jacfwd`` gradient, :func:`score_hessian`
     forward over forward): ``d <= FORWARD_HESSIAN_MAX``, or ``FORWARD_HESSIAN_MAX_LOOP``
-    when ``f`` runs a loop (one extra trace of ``f`` decides, from its jaxpr; the choice
-    depends on the program only, never on timings, so a run is reproducible)."""
+    when ``f`` runs a loop. One extra trace of ``f`` decides, from its jaxpr -- once per
+    :class:`ModelInfo` when ``f`` is a function of that model's log density (``info``; the
+    loops are the model's) -- so the choice depends on the program only, never on timings,
+    and a run is reproducible."""
     d = x.shape[0]
     if d > FORWARD_HESSIAN_MAX:
         return False
     if d <= FORWARD_HESSIAN_MAX_LOOP:
         return True
-    return not _has_loop(jax.make_jaxpr(f)(x).jaxpr)
+    loop = None if info is None else getattr(info, "_has_loop", None)
+    if loop is None:
+        loop = _has_loop(jax.make_jaxpr(f)(x).jaxpr)
+        if info is not None:
+            info._has_loop = loop
+    return not loop
 
 
-def score_hessian(f: Callable, x: jax.Array,
-                  forward: bool | None = None) -> tuple[jax.Array, jax.Array]:
+def score_hessian(f: Callable, x: jax.Array, forward: bool | None = None,
+                  info: ModelInfo | None = None) -> tuple[jax.Array, jax.Array]:
     """Gradient ``(d,)`` and Hessian ``(d, d)`` of a scalar function ``f`` at ``x`` ``(d,)``:
     forward over forward mode when :func:`prefer_forward` (or ``forward``) says so
     (:math:`H_{jk} = \\partial_j\\partial_k f` from the ``d x d`` directional derivatives
     of the JVPs), else the gradient and :func:`jax.hessian` (forward over reverse). The two
     are the same derivatives, up to rounding."""
     if forward is None:
-        forward = prefer_forward(f, x)
+        forward = prefer_forward(f, x, info)
     if forward:
         g = jax.jacfwd(f)
 
@@ -1591,6 +1601,6 @@ def centred_score_hess(info: ModelInfo, theta_u, z, args, kwargs, M, idx=None):
             t = x if sub is None else theta_u.at[sub].set(x)
             return info.log_joint(t, zf - M @ (t - theta_u), args, kwargs)
 
-        return score_hessian(f, theta_u if sub is None else theta_u[sub])
+        return score_hessian(f, theta_u if sub is None else theta_u[sub], info=info)
 
     return jax.vmap(one)(z)

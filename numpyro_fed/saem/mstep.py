@@ -1202,7 +1202,7 @@ class GaussianMStep(MStep):
         zc = lax.dynamic_index_in_dim(z, chain % z.shape[0], keepdims=False)
         # forward mode for a few coordinates of a model without a loop (the reverse pass of
         # a sparse-superposition PK model is slow on XLA:CPU; see prefer_forward)
-        fwd = prefer_forward(lambda x: ll(x, zc), x0)
+        fwd = prefer_forward(lambda x: ll(x, zc), x0, info)
         gfn = jax.jacfwd(ll) if fwd else jax.grad(ll)
         g = jnp.mean(jax.vmap(lambda zf: gfn(x0, zf))(z), 0)
         # the Hessian (the costly part, score_hessian) at one chain, a different one at each
