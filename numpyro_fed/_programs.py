@@ -48,11 +48,15 @@ arguments of the programs, not constants).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
+import functools
 import hashlib
 import io
 import os
 import threading
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -64,7 +68,7 @@ import numpy as np
 from numpyro_fed import _serial_lapack
 
 __all__ = ["Program", "compile_program", "program_key", "platform_options", "clear", "size",
-           "stats"]
+           "stats", "replay_scope"]
 
 #: most compiled programs kept (least recently used first out)
 MAX_PROGRAMS = 128
@@ -73,7 +77,7 @@ _CACHE: OrderedDict[tuple, Any] = OrderedDict()
 #: trace fingerprint (:func:`_traced_key`) -> the key in ``_CACHE`` its lowering had
 _TRACE_KEYS: OrderedDict[tuple, tuple] = OrderedDict()
 _LOCK = threading.Lock()
-_STATS = {"hits": 0, "misses": 0, "uncached": 0, "trace_hits": 0}
+_STATS = {"hits": 0, "misses": 0, "uncached": 0, "trace_hits": 0, "replay_hits": 0}
 #: lower every trace, also those whose trace fingerprint is known, and raise if the lowered
 #: program is not the one that fingerprint gave before (the test suite sets it:
 #: ``NUMPYRO_FED_VERIFY_TRACE_KEYS=1``)
@@ -85,6 +89,7 @@ def clear() -> None:
     with _LOCK:
         _CACHE.clear()
         _TRACE_KEYS.clear()
+        _REPLAYS.clear()
 
 
 def size(tag: str | None = None) -> int:
@@ -387,10 +392,11 @@ def _flat_program(fn: Callable, args: Sequence, kwargs: dict,
 class _Runner:
     """Runs a compiled flat program on arguments of the structure it was traced with."""
 
-    __slots__ = ("compiled", "treedef")
+    __slots__ = ("compiled", "treedef", "key")
 
-    def __init__(self, compiled, treedef) -> None:
-        self.compiled, self.treedef = compiled, treedef
+    def __init__(self, compiled, treedef, key: tuple | None = None) -> None:
+        #: ``key``: the program's key in the cache (``None``: not kept)
+        self.compiled, self.treedef, self.key = compiled, treedef, key
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs)))
@@ -446,14 +452,212 @@ class Pending:
             if hit is not None:
                 _CACHE.move_to_end(self.key)
                 _STATS["hits"] += 1
-                return _Runner(hit[0], self.treedef)
+                return _Runner(hit[0], self.treedef, self.key)
         compiled = self.lowered.compile()
         with _LOCK:
             _STATS["misses"] += 1
             _CACHE[self.key] = (compiled, self.tag)
             while len(_CACHE) > MAX_PROGRAMS:
                 _CACHE.popitem(last=False)
-        return _Runner(compiled, self.treedef)
+        return _Runner(compiled, self.treedef, self.key)
+
+
+# ------------------------------------------------------------------------ replayed runs
+#: the programs of recent runs, by run key (:func:`replay_scope`): the ordered
+#: ``((signature, program key), ...)`` of every program the run prepared
+_REPLAYS: OrderedDict[tuple, tuple] = OrderedDict()
+#: most runs remembered (least recently used first out)
+MAX_REPLAYS = 64
+_SCOPE: contextvars.ContextVar = contextvars.ContextVar("numpyro_fed_replay", default=None)
+
+
+class ReplayScope:
+    """The programs one run prepares, in order, under a key that determines them
+    (:func:`replay_scope`). A later run under the same key takes the program of its n-th
+    :func:`prepare_program` call from the n-th program of the recorded run, without tracing
+    it, as long as every call so far had the signature recorded for it (the function's code
+    and that of the functions it closes over, the arguments' structure, types and
+    placement, the compiler options); from the first difference on it traces, as every
+    call does without a scope. A run that raises is not recorded."""
+
+    __slots__ = ("key", "recorded", "pos", "replaying", "seen", "active", "suspended")
+
+    def __init__(self, key: tuple | None) -> None:
+        self.key, self.recorded, self.pos, self.replaying = key, None, 0, True
+        self.seen: list = []
+        self.active = False
+        #: programs prepared while suspended are neither replayed nor recorded
+        #: (:meth:`suspend`: speculative compilations whose timing decides what they do)
+        self.suspended = False
+
+    @contextlib.contextmanager
+    def suspend(self):
+        """Prepare programs as without a scope (traced, not recorded) inside the block."""
+        old, self.suspended = self.suspended, True
+        try:
+            yield
+        finally:
+            self.suspended = old
+
+    def activate(self, extra: Any = ()) -> None:
+        """Start replaying and recording, with ``extra`` (what the run found before its
+        first program: e.g. which data the model reads concretely) added to the key."""
+        if self.key is None or self.active:
+            return
+        try:
+            self.key = (self.key, extra)
+            hash(self.key)
+        except TypeError:
+            self.key = None
+            return
+        with _LOCK:
+            self.recorded = _REPLAYS.get(self.key)
+            if self.recorded is not None:
+                _REPLAYS.move_to_end(self.key)
+        self.active = True
+
+    @property
+    def replays(self) -> bool:
+        """Whether this run follows a recorded one so far."""
+        return self.active and self.replaying and self.recorded is not None
+
+    def next_key(self, sig: tuple) -> tuple | None:
+        """The program key the recorded run had at this call, if it had this signature."""
+        if not self.replays:
+            return None
+        if self.pos >= len(self.recorded) or self.recorded[self.pos][0] != sig:
+            self.replaying = False
+            return None
+        key = self.recorded[self.pos][1]
+        self.pos += 1
+        return key
+
+    def note(self, sig: tuple, key: tuple | None) -> None:
+        self.seen.append((sig, key))
+
+    def store(self) -> None:
+        if not self.active or not self.seen:
+            return
+        seen = tuple(self.seen)
+        with _LOCK:
+            _REPLAYS[self.key] = seen
+            _REPLAYS.move_to_end(self.key)
+            while len(_REPLAYS) > MAX_REPLAYS:
+                _REPLAYS.popitem(last=False)
+
+
+@contextlib.contextmanager
+def replay_scope(key: tuple | None):
+    """Run a block whose programs are determined by ``key``: the first run under a key
+    records the programs its :func:`prepare_program` calls give, in order; a later run
+    under an equal key gets them back without tracing (see :class:`ReplayScope`).
+
+    ``key`` must determine every program the block prepares, given the library's code: the
+    caller keys by value all it builds them from (the run's model is keyed by the
+    fingerprint of a full trace of it, its data and settings by content:
+    :func:`numpyro_fed.saem.memo.run_key`). ``None``: no replay (every call traces).
+    Nothing is replayed until :meth:`ReplayScope.activate`. With
+    ``NUMPYRO_FED_VERIFY_TRACE_KEYS=1`` (the test suite) every replayed program is traced
+    anyway and a program other than the recorded one raises ``RuntimeError``."""
+    scope = ReplayScope(key)
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    except BaseException:
+        scope.active = False
+        raise
+    finally:
+        _SCOPE.reset(token)
+    scope.store()
+
+
+def current_scope() -> ReplayScope | None:
+    """The :class:`ReplayScope` of the run on this thread, if any (active or not)."""
+    return _SCOPE.get()
+
+
+def active_scope() -> ReplayScope | None:
+    """The active :class:`ReplayScope` of the run on this thread, if any (not while
+    suspended)."""
+    scope = _SCOPE.get()
+    return scope if scope is not None and scope.active and not scope.suspended else None
+
+
+def note_runner(runner: _Runner, fn: Callable, args: Sequence = (), kwargs: dict | None = None,
+                *, compiler_options: dict | None = None,
+                donate_argnums: int | Sequence[int] = (), keep_unused: bool = False) -> None:
+    """Record in the active :class:`ReplayScope` that ``fn`` on ``args`` is run by
+    ``runner``, a program prepared earlier (e.g. while the scope was suspended), as if
+    :func:`prepare_program` had been called here: a replayed run then takes the same
+    program at the same call. Nothing without an active scope."""
+    scope = active_scope()
+    if scope is None:
+        return
+    opts = platform_options(compiler_options)
+    leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs or {})))
+    sig = _signature(fn, leaves, treedef, tuple(sorted(opts.items())), donate_argnums,
+                     keep_unused)
+    if sig is None or runner.key is None:
+        scope.active = False
+        return
+    replayed = scope.next_key(sig)
+    if replayed is not None and replayed != runner.key:
+        raise RuntimeError(
+            f"numpyro_fed._programs: a replayed run ran another program than the recorded "
+            f"run at call {scope.pos} ({getattr(fn, '__qualname__', fn)!r}) -- a defect of "
+            "the run key (please report it).")
+    scope.note(sig, runner.key)
+
+
+def _code_fingerprint(fn, depth: int = 0, seen: set | None = None):
+    """The code of ``fn`` and of the functions it closes over (recursively): which program
+    a call prepares, up to the values it closes over (those are determined by the run's
+    key). ``None`` for a callable it cannot read."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen or depth > 6:
+        return "..."
+    seen.add(id(fn))
+    if isinstance(fn, functools.partial):
+        inner = _code_fingerprint(fn.func, depth + 1, seen)
+        return None if inner is None else ("partial", inner)
+    if isinstance(fn, types.MethodType):
+        inner = _code_fingerprint(fn.__func__, depth + 1, seen)
+        return None if inner is None else ("method", type(fn.__self__), inner)
+    code = getattr(fn, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return None
+    parts = [code]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(v, (types.FunctionType, types.MethodType, functools.partial)):
+            inner = _code_fingerprint(v, depth + 1, seen)
+            if inner is None:
+                return None
+            parts.append(inner)
+    return tuple(parts)
+
+
+def _signature(fn, leaves, treedef, options, donate_argnums, keep_unused) -> tuple | None:
+    code = _code_fingerprint(fn)
+    if code is None:
+        return None
+    avals = []
+    for x in leaves:
+        if isinstance(x, jax.ShapeDtypeStruct):  # an abstract argument (warming)
+            avals.append(("abstract", x.shape, x.dtype, bool(x.weak_type),
+                          repr(x.sharding)))
+            continue
+        t = jax.typeof(x) if isinstance(x, jax.Array | np.ndarray | np.generic) else None
+        if t is None:
+            avals.append(("py", type(x), x if isinstance(x, _SCALARS) else id(x)))
+        else:
+            avals.append((t.shape, t.dtype, bool(getattr(t, "weak_type", False)),
+                          _placement(x)))
+    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    return (code, treedef, tuple(avals), options, donate, bool(keep_unused))
 
 
 def prepare_program(fn: Callable, args: Sequence = (), kwargs: dict | None = None, *,
@@ -469,6 +673,39 @@ def prepare_program(fn: Callable, args: Sequence = (), kwargs: dict | None = Non
         return jax.jit(_fresh(fn), donate_argnums=donate_argnums, keep_unused=keep_unused,
                        compiler_options=opts or None)
     options = tuple(sorted(opts.items()))
+    scope = active_scope()
+    sig = replayed = None
+    if scope is not None:
+        leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs)))
+        sig = _signature(fn, leaves, treedef, options, donate_argnums, keep_unused)
+        replayed = None if sig is None else scope.next_key(sig)
+        if sig is None:  # a callable whose code cannot be compared: no replay, no record
+            scope.active = False
+        if replayed is not None and not VERIFY_TRACE_KEYS:
+            with _LOCK:
+                hit = _CACHE.get(replayed)
+                if hit is not None:  # the recorded run's program: not traced again
+                    _CACHE.move_to_end(replayed)
+                    _STATS["hits"] += 1
+                    _STATS["replay_hits"] += 1
+            if hit is not None:
+                scope.note(sig, replayed)
+                return _Runner(hit[0], treedef, replayed)
+    out = _prepare_traced(fn, args, kwargs, opts, options, donate_argnums, keep_unused, tag)
+    if sig is not None:
+        key = out.key
+        if replayed is not None and key != replayed:
+            raise RuntimeError(
+                f"numpyro_fed._programs: a replayed run prepared another program than the "
+                f"recorded run at call {scope.pos} ({getattr(fn, '__qualname__', fn)!r}) -- a "
+                "defect of the run key (please report it).")
+        scope.note(sig, key)
+    return out
+
+
+def _prepare_traced(fn, args, kwargs, opts, options, donate_argnums, keep_unused, tag):
+    """:func:`prepare_program` by tracing ``fn`` (a runner with its ``key``, or a
+    :class:`Pending` program)."""
     traced, leaves, treedef, donated = _trace(fn, args, kwargs, opts, donate_argnums,
                                               keep_unused)
     jkey = _traced_key(traced, leaves, treedef, options, donated, keep_unused)
@@ -481,7 +718,7 @@ def prepare_program(fn: Callable, args: Sequence = (), kwargs: dict | None = Non
                 _CACHE.move_to_end(key)
                 _STATS["hits"] += 1
                 _STATS["trace_hits"] += 1
-                return _Runner(hit[0], treedef)
+                return _Runner(hit[0], treedef, key)
     lowered, treedef = _lower_traced(traced, leaves, treedef, opts, donated, keep_unused)
     key = _key(lowered, options)
     if key is None:
@@ -504,7 +741,7 @@ def prepare_program(fn: Callable, args: Sequence = (), kwargs: dict | None = Non
         if hit is not None:
             _CACHE.move_to_end(key)
             _STATS["hits"] += 1
-            return _Runner(hit[0], treedef)
+            return _Runner(hit[0], treedef, key)
     return Pending(lowered, key, treedef, tag)
 
 
@@ -573,6 +810,12 @@ class Program:
         return prepare_program(self.fn, args, kwargs, compiler_options=self.compiler_options,
                                donate_argnums=self.donate_argnums,
                                keep_unused=self.keep_unused, tag=self.tag)
+
+    def note(self, runner: _Runner, *args: Any, **kwargs: Any) -> None:
+        """:func:`note_runner`: ``runner`` (prepared earlier) runs this program on these
+        arguments."""
+        note_runner(runner, self.fn, args, kwargs, compiler_options=self.compiler_options,
+                    donate_argnums=self.donate_argnums, keep_unused=self.keep_unused)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled(*args, **kwargs)(*args, **kwargs)

@@ -34,6 +34,9 @@ def _run(case, monkeypatch, busy_answers):
     compiled."""
     answers = list(busy_answers)
     monkeypatch.setattr(fit_mod, "WARM_AFTER_S", 0.0)
+    # every fit warms as the answers say (a repeated run would replay its recorded programs
+    # instead: tests/test_saem_replay.py)
+    monkeypatch.setattr(fit_mod, "REPLAY_RUNS", False)
     monkeypatch.setattr(SAEM, "_loop_busy",
                         staticmethod(lambda outputs: lambda: bool(answers and answers.pop(0))))
     warmed, after, asked = {}, [], []

@@ -28,6 +28,7 @@ the cause.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import os
@@ -48,6 +49,7 @@ from numpyro.infer.mcmc import MCMCKernel
 from numpyro_fed import _programs
 from numpyro_fed._validation import check_float, check_int, check_positive_float
 from numpyro_fed.errors import DivergenceError
+from numpyro_fed.saem import memo
 from numpyro_fed.saem.estep import LangevinEStep, NumPyroEStep, flat_preconditioner
 from numpyro_fed.saem.model import (
     ModelInfo,
@@ -92,6 +94,10 @@ WARM_AFTER_S = 1.0
 #: is busy anyway (a test suite run by one worker per core), as the warmed programs of a
 #: fit whose standard errors are never asked for would only add work there
 WARM_PROGRAMS = os.environ.get("NUMPYRO_FED_WARM_PROGRAMS", "1") != "0"
+
+#: replay the programs of an earlier run with the same key, without tracing them
+#: (:mod:`numpyro_fed.saem.memo`); ``NUMPYRO_FED_REPLAY_RUNS=0`` traces every run
+REPLAY_RUNS = os.environ.get("NUMPYRO_FED_REPLAY_RUNS", "1") != "0"
 
 MIN_CHAIN_SUBJECTS = 50
 #: chains x top-level groups aimed at by the default, per nested level of random effects in
@@ -507,6 +513,9 @@ class SAEM:
         the subject layout (:meth:`_layout`), the M-step (:meth:`_mstep`), the E-step
         (:meth:`_estep`) and the loop body over them (:func:`fit_saem`)."""
         info = ModelInfo(self.model, args, kwargs, rng_key)
+        scope = _programs.current_scope()
+        if scope is not None:  # which data the model reads concretely: part of the run key
+            scope.activate(info.static_data)
         if init_params is not None:  # before anything is compiled
             info.check_init_params(init_params)
         # the arrays the model reads concretely, as NumPy arrays from here on: every program
@@ -722,113 +731,119 @@ class SAEM:
                 f"SAEM.run: `rng_key` must be a JAX random key (jax.random.key(0)), got "
                 f"{type(rng_key).__name__} {rng_key!r}."
             )
-        args, kwargs = model_args, model_kwargs
-        st = self._build_program(rng_key, args, kwargs, init_params)
-        self.program = st
-        # the arrays the model reads concretely are static (constants of the programs)
-        args, kwargs = st.data
-        arrays, static = split_data(args, kwargs, st.info.static_data)
-        info = st.info
-        if init_params is not None:
-            tc = info.check_init_params(init_params)
-            theta0 = info.unconstrain_theta(tc)
-        else:
-            theta0 = info.theta0_u_flat
-        # a strongly typed theta: the carry keeps one type, the program compiles once
-        theta0 = jnp.asarray(theta0, dtype=jnp.result_type(theta0.dtype))
-        ids = ({k: jnp.asarray(v) for k, v in st.layout.site_ids} if st.has_subjects
-               else None)
-        init = self._init_program(st, static)
-        log_step0 = jnp.asarray(math.log(self.step_size) if self.step_size else 0.0,
-                                theta0.dtype)
-        state, z0, aux, per_site = init(theta0, arrays, random.fold_in(rng_key, 1), ids,
-                                        log_step0)
-        if not bool(np.all(np.asarray(per_site))):
-            info.check_finite_at(info.constrain_theta(theta0), z0[0], args, kwargs)
-        if not st.builtin:
-            es = st.estep.init(random.fold_in(rng_key, 2), z0, theta0, (args, kwargs))
-            state = state._replace(estate=es)
-        xs, B1, K, T = self._schedule_xs(st)
-        dt = theta0.dtype
-        carry = (state, jnp.zeros((T,) + z0.shape, z0.dtype), jnp.zeros((), dt))
-        total = len(xs[0])
-        if st.builtin:
-            chunk = self._chunk_program(st, static)
-            inputs = (arrays, aux, ids)
-        else:  # a NumPyro kernel: the data closed over (as its own programs do)
-            data = (args, kwargs)
-            chunk = jit_loop(lambda c, x: lax.scan(
-                lambda cc, xx: st.step(cc, xx, data, aux, ids), c, x))
-            inputs = ()
-        compiled = []  # traced once per run (the chunks have one shape), then called
+        # a run whose model (by value), data (by content) and settings equal an earlier
+        # run's prepares the same programs: it replays them without tracing (saem.memo)
+        key = (memo.run_key(self, rng_key, model_args, model_kwargs,
+                            (init_params, bool(progress_bar), int(num_chunks)))
+               if REPLAY_RUNS else None)
+        with _programs.replay_scope(key):
+            args, kwargs = model_args, model_kwargs
+            st = self._build_program(rng_key, args, kwargs, init_params)
+            self.program = st
+            # the arrays the model reads concretely are static (constants of the programs)
+            args, kwargs = st.data
+            arrays, static = split_data(args, kwargs, st.info.static_data)
+            info = st.info
+            if init_params is not None:
+                tc = info.check_init_params(init_params)
+                theta0 = info.unconstrain_theta(tc)
+            else:
+                theta0 = info.theta0_u_flat
+            # a strongly typed theta: the carry keeps one type, the program compiles once
+            theta0 = jnp.asarray(theta0, dtype=jnp.result_type(theta0.dtype))
+            ids = ({k: jnp.asarray(v) for k, v in st.layout.site_ids} if st.has_subjects
+                   else None)
+            init = self._init_program(st, static)
+            log_step0 = jnp.asarray(math.log(self.step_size) if self.step_size else 0.0,
+                                    theta0.dtype)
+            state, z0, aux, per_site = init(theta0, arrays, random.fold_in(rng_key, 1), ids,
+                                            log_step0)
+            if not bool(np.all(np.asarray(per_site))):
+                info.check_finite_at(info.constrain_theta(theta0), z0[0], args, kwargs)
+            if not st.builtin:
+                es = st.estep.init(random.fold_in(rng_key, 2), z0, theta0, (args, kwargs))
+                state = state._replace(estate=es)
+            xs, B1, K, T = self._schedule_xs(st)
+            dt = theta0.dtype
+            carry = (state, jnp.zeros((T,) + z0.shape, z0.dtype), jnp.zeros((), dt))
+            total = len(xs[0])
+            if st.builtin:
+                chunk = self._chunk_program(st, static)
+                inputs = (arrays, aux, ids)
+            else:  # a NumPyro kernel: the data closed over (as its own programs do)
+                data = (args, kwargs)
+                chunk = jit_loop(lambda c, x: lax.scan(
+                    lambda cc, xx: st.step(cc, xx, data, aux, ids), c, x))
+                inputs = ()
+            compiled = []  # traced once per run (the chunks have one shape), then called
 
-        def call(c, x):
-            if not compiled:
-                compiled.append(chunk.compiled(c, x, *inputs))
-            return compiled[0](c, x, *inputs)
-        nc = max(1, min(int(num_chunks), total)) if progress_bar else 1
-        L = -(-total // nc)
-        pad = nc * L - total
-        xs = (np.concatenate([xs[0], np.full(pad, _PAD, np.int32)]),
-              np.concatenate([xs[1], np.ones(pad)]).astype(np.dtype(dt)),
-              np.concatenate([xs[2], np.zeros(pad, np.int32)]),
-              np.concatenate([xs[3], np.zeros(pad, bool)]),
-              np.concatenate([xs[4], np.zeros(pad, bool)]),
-              np.concatenate([xs[5], np.zeros(pad, np.int32)]))
-        thetas, accs = [], []
-        bar = None
-        if progress_bar:
-            from tqdm.auto import tqdm
+            def call(c, x):
+                if not compiled:
+                    compiled.append(chunk.compiled(c, x, *inputs))
+                return compiled[0](c, x, *inputs)
+            nc = max(1, min(int(num_chunks), total)) if progress_bar else 1
+            L = -(-total // nc)
+            pad = nc * L - total
+            xs = (np.concatenate([xs[0], np.full(pad, _PAD, np.int32)]),
+                  np.concatenate([xs[1], np.ones(pad)]).astype(np.dtype(dt)),
+                  np.concatenate([xs[2], np.zeros(pad, np.int32)]),
+                  np.concatenate([xs[3], np.zeros(pad, bool)]),
+                  np.concatenate([xs[4], np.zeros(pad, bool)]),
+                  np.concatenate([xs[5], np.zeros(pad, np.int32)]))
+            thetas, accs = [], []
+            bar = None
+            if progress_bar:
+                from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, desc="SAEM")
-        warm = {}
-        try:
-            if WARM_PROGRAMS and nc == 1 and st.builtin and st.use_fisher:
-                # one call: the loop runs while the standard errors' programs compile
-                (carry, (th, ac)), warm = self._run_warming(st, chunk, carry, xs, inputs,
-                                                            aux, args, kwargs, ids, theta0)
-                thetas.append(th)
-                accs.append(ac)
-            for c in range(nc if not thetas else 0):
-                carry, (th, ac) = call(carry, tuple(v[c * L:(c + 1) * L] for v in xs))
-                thetas.append(th)
-                accs.append(ac)
+                bar = tqdm(total=total, desc="SAEM")
+            warm = {}
+            try:
+                if WARM_PROGRAMS and nc == 1 and st.builtin and st.use_fisher:
+                    # one call: the loop runs while the standard errors' programs compile
+                    (carry, (th, ac)), warm = self._run_warming(st, chunk, carry, xs, inputs,
+                                                                aux, args, kwargs, ids, theta0)
+                    thetas.append(th)
+                    accs.append(ac)
+                for c in range(nc if not thetas else 0):
+                    carry, (th, ac) = call(carry, tuple(v[c * L:(c + 1) * L] for v in xs))
+                    thetas.append(th)
+                    accs.append(ac)
+                    if bar is not None:
+                        bar.update(min(L, total - c * L))
+                        if int(carry[0].failure) != Failure.NONE:
+                            break
+            finally:
                 if bar is not None:
-                    bar.update(min(L, total - c * L))
-                    if int(carry[0].failure) != Failure.NONE:
-                        break
-        finally:
-            if bar is not None:
-                bar.close()
-        thetas = np.concatenate([np.asarray(t) for t in thetas])
-        accs = np.concatenate([np.asarray(a) for a in accs])
-        state, zs, dacc = carry
-        failure = SAEMFailure.of(state)
-        if failure is not None:
-            # the updates before the failure (a failed iteration keeps the last finite theta)
-            traj = thetas[B1:B1 + failure.iteration]
-            raise self._divergence_error(st, failure, state.estate, theta0, args, kwargs,
-                                         traj)
-        res = SAEMResult(
-            model=self.model, info=info, layout=st.layout if st.has_subjects else None,
-            ids=ids, theta=np.asarray(state.theta),
-            thetas_u=thetas[B1:B1 + K], gammas=self.gammas, accs=accs[B1:B1 + K],
-            zs=np.asarray(zs), accept_final=float(dacc) / max(T, 1),
-            centring=np.asarray(aux[1]) if st.use_fisher else None,
-            mstep=st.mstep.kind, args=args, kwargs=kwargs,
-            num_exploration=self.schedule.num_exploration, settings=self._describe(st),
-            programs={}, theta0=np.asarray(theta0),
-        )
-        spec = getattr(st.mstep, "spec", None)
-        if isinstance(st.mstep, GaussianMStep) and spec.diag_sites:
-            # the diagonal random-effect scales, for the boundary slopes of the check
-            res._diag_scales = (tuple(spec.diag_sites), np.asarray(spec.lat_g))
-        res._warm = warm
-        try:
-            res.convergence_messages = res.check_convergence(warn=True)
-        finally:
-            res._warm = {}  # later calls trace afresh, as every call does
-        return res
+                    bar.close()
+            thetas = np.concatenate([np.asarray(t) for t in thetas])
+            accs = np.concatenate([np.asarray(a) for a in accs])
+            state, zs, dacc = carry
+            failure = SAEMFailure.of(state)
+            if failure is not None:
+                # the updates before the failure (a failed iteration keeps the last finite theta)
+                traj = thetas[B1:B1 + failure.iteration]
+                raise self._divergence_error(st, failure, state.estate, theta0, args, kwargs,
+                                             traj)
+            res = SAEMResult(
+                model=self.model, info=info, layout=st.layout if st.has_subjects else None,
+                ids=ids, theta=np.asarray(state.theta),
+                thetas_u=thetas[B1:B1 + K], gammas=self.gammas, accs=accs[B1:B1 + K],
+                zs=np.asarray(zs), accept_final=float(dacc) / max(T, 1),
+                centring=np.asarray(aux[1]) if st.use_fisher else None,
+                mstep=st.mstep.kind, args=args, kwargs=kwargs,
+                num_exploration=self.schedule.num_exploration, settings=self._describe(st),
+                programs={}, theta0=np.asarray(theta0),
+            )
+            spec = getattr(st.mstep, "spec", None)
+            if isinstance(st.mstep, GaussianMStep) and spec.diag_sites:
+                # the diagonal random-effect scales, for the boundary slopes of the check
+                res._diag_scales = (tuple(spec.diag_sites), np.asarray(spec.lat_g))
+            res._warm = warm
+            try:
+                res.convergence_messages = res.check_convergence(warn=True)
+            finally:
+                res._warm = {}  # later calls trace afresh, as every call does
+            return res
 
     def _run_warming(self, st: SAEMProgram, chunk, carry, xs, inputs, aux, args, kwargs,
                      ids, theta0):
@@ -868,9 +883,17 @@ class SAEM:
         else:
             out = prep(carry, xs, *inputs)
             busy, wait = self._loop_busy(out), WARM_AFTER_S
+        scope = _programs.active_scope()
+        if scope is not None and scope.replays and pool is None:
+            # a replayed run: its convergence check takes the recorded run's programs, none
+            # is traced or compiled, nothing to warm
+            return out, {}
         try:
-            warm = self._warm_while_running(st, busy, wait, jax.typeof(carry[1]), aux, args,
-                                            kwargs, ids, theta0)
+            # the warmed programs depend on timing: not recorded for a replay (the check
+            # records those it runs, warmed or not)
+            with scope.suspend() if scope is not None else contextlib.nullcontext():
+                warm = self._warm_while_running(st, busy, wait, jax.typeof(carry[1]), aux,
+                                                args, kwargs, ids, theta0)
         finally:
             if pool is not None:
                 out = fut.result()  # the worker's error, if any, is raised here

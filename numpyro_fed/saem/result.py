@@ -524,6 +524,7 @@ class SAEMResult:
             full = (arrays, self.ids, *a)
             hit = warm.get(key)
             if hit is not None and hit[0] == _signature(full):
+                prog.note(hit[1], *full)  # as if prepared here (a replayed run prepares it)
                 return hit[1](*full)
             return prog(*full)
 
