@@ -199,9 +199,11 @@ def _check_annealing(V, v0, schedule, labels):
     ``v0`` (m,) at theta_0. Annealing applies to iterations 1..annealing_iters: there
     ``V_k >= tau V_{k-1}``, up to float32 round-off of the constrained coordinates (relative
     ~1e-7; measured min ratio 0.96999966 for tau = 0.97; tolerance 1e-5 relative). The floor
-    must actually bind (else the check is vacuous): measured on sleepstudy 96/101/40 binding
-    iterations of 150 (default) and 49-52/63-68/25-26 of 100 (explicit schedule, seeds 0-3);
-    108-150 of 150 on the simulated model; required >= 10."""
+    must actually bind (else the check is vacuous): measured on sleepstudy 31/61/0 binding
+    iterations of 150 (default, 45 chains: the full-covariance chain rule; 96/101/40 with
+    the 3 chains of before) and 49-52/63-68/25-26 of 100 (explicit schedule, seeds 0-3);
+    108-150 of 150 on the simulated model; required >= 10 for some variance (with 45 chains
+    the residual variance of sleepstudy starts near its maximum and never needs the floor)."""
     tau, n_ann = schedule.anneal_factor, schedule.annealing_iters
     assert schedule.annealing and 0 < n_ann < len(V)
     V = np.vstack([np.asarray(v0, np.float64)[None], V])
@@ -212,7 +214,7 @@ def _check_annealing(V, v0, schedule, labels):
     assert np.all(ann >= tau * (1.0 - 1e-5)), (
         f"annealing (tau={tau}) violated: min ratio per variance {worst} at iterations {where}")
     binding = np.sum(np.abs(ann - tau) <= 1e-5 * tau, 0)
-    assert np.all(binding >= 10), dict(zip(labels, binding, strict=True))
+    assert np.max(binding) >= 10, dict(zip(labels, binding, strict=True))
     # after the annealing phase the floor is lifted: some variance falls faster than tau
     assert np.any(ratio[n_ann:] < tau * (1.0 - 1e-3)), "annealing never switched off"
 
@@ -226,7 +228,8 @@ def _check_sleepstudy_annealing(case, res, schedule, init):
     # the exact maximum: the targets of test_saem_defaults.py (fixed effects within max(0.2
     # SE, 1%), variances within max(0.3 SE, 10%), exact -2LL at the estimate within 0.5 of the
     # exact minimum). Measured: default schedule, seed 0 (the fit of test_saem_defaults.py):
-    # -2LL gap 0.008, every quantity within 0.06 SE; explicit schedule, seeds 0-3: gaps 0.018,
+    # -2LL gap 0.008, every quantity within 0.06 SE with 3 chains; 0.0004 with the 45 of the
+    # full-covariance chain rule (seed 1: 0.0001); explicit schedule, seeds 0-3: gaps 0.018,
     # 0.029, 0.012, 0.006, every quantity within 0.14 SE (the targets are 0.2/0.3 SE and 0.5).
     out = sc.compare(case, res.params)
     assert out["ok"], sc.format_comparison(out)

@@ -289,3 +289,40 @@ def test_a_run_that_warmed_its_programs_is_replayed_whole(replay, monkeypatch):
     assert traced[n_first:] == ["first_trace"] and hits >= 3 and not warmed
     monkeypatch.undo()
     _same(again, _fresh(lambda: _fit(seed=1)))
+
+
+class Link:
+    """A model argument that is an object (as ``PKModel``'s ``Binding`` holds its structural
+    model): keyed by its type only, what it makes the model compute is in the model's
+    fingerprint."""
+
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    def __call__(self, z):
+        return self.k * z
+
+
+def link_model(y, n, link):
+    mu = numpyro.param("mu", 0.0)
+    tau = numpyro.param("tau", 1.0, constraint=constraints.positive)
+    with numpyro.plate("subject", n):
+        z = numpyro.sample("z", dist.Normal(mu, tau))
+        numpyro.sample("y", dist.Normal(link(z), 1.0), obs=y)
+
+
+def test_an_object_argument_is_seen_through_the_model(replay):
+    def fit(link, seed=0):
+        return SAEM(link_model, num_chains=2, num_draws=10,
+                    schedule=Schedule(num_iters=30, num_exploration=15, num_burnin=2)
+                    ).run(random.key(seed), Y, len(Y), link=link)
+
+    first = fit(Link(1.0))
+    other, hits = _replayed(lambda: fit(Link(2.0)))  # a new object computing otherwise
+    assert hits == 0
+    _same(other, _fresh(lambda: fit(Link(2.0))))
+    assert not np.array_equal(first.theta, other.theta)
+    fit(Link(1.0))
+    same, hits = _replayed(lambda: fit(Link(1.0), seed=1))  # a new object, the same model
+    assert hits >= 3
+    _same(same, _fresh(lambda: fit(Link(1.0), seed=1)))

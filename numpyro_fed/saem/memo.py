@@ -121,19 +121,18 @@ def _immutable(v) -> bool:
 
 
 def _data(args, kwargs) -> tuple:
-    """The arguments by content: arrays by their bytes, other hashable leaves as they are
-    (compared by their own equality: e.g. :class:`~numpyro_fed.nlme.model.Binding`)."""
+    """The arguments by content: arrays by their bytes, plain values by value, other
+    objects (e.g. :class:`~numpyro_fed.nlme.model.Binding`, which holds a structural model)
+    by their type: the library gives them to the model and nothing else, so what they make
+    the model compute is in the model's fingerprint (:func:`model_fingerprint`, which runs
+    the model on them)."""
     leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs)))
     out = []
     for x in leaves:
         try:
             out.append(_value(x))
         except _NoKey:
-            try:
-                hash(x)
-            except TypeError as err:
-                raise _NoKey(f"an unhashable argument of type {type(x).__name__}") from err
-            out.append(("object", x))
+            out.append(("object", type(x).__module__, type(x).__qualname__))
     return (treedef, tuple(out))
 
 
