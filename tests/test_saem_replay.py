@@ -4,8 +4,10 @@ and never returns what a fresh run would not.
 
 Each case runs a fit, changes one thing the programs depend on (a global the model reads,
 an array it closes over changed in place, a distribution's method, a library constant,
-the data), fits again and compares with a fresh fit after the library's caches are emptied:
-bit for bit. Each also checks that the change matters (so that it cannot pass by accident)
+the data), fits again and compares with the same fit traced afresh (replay off: every
+program traced, compiled ones reused only for the same program content, which
+``tests/test_cache_correctness.py`` checks against fresh processes' computations): bit for
+bit. Each also checks that the change matters (so that it cannot pass by accident)
 and, where nothing changed, that the run was replayed. The replay path itself is exercised
 with the suite's verification off (``NUMPYRO_FED_VERIFY_TRACE_KEYS=1`` traces every replayed
 program anyway and raises if it is not the recorded one: the rest of the suite runs so).
@@ -74,16 +76,28 @@ def _same(a, b) -> None:
 @pytest.fixture
 def replay(monkeypatch):
     """The replay path as users run it (the suite otherwise traces every replayed program
-    to verify it), from an empty cache."""
+    to verify it), with no recorded run."""
     monkeypatch.setattr(_programs, "VERIFY_TRACE_KEYS", False)
-    _programs.clear()
+    _programs._REPLAYS.clear()
     yield
-    _programs.clear()
+    _programs._REPLAYS.clear()
 
 
 def _fresh(fn):
-    _programs.clear()
-    return fn()
+    """``fn`` traced afresh: every program traced and taken from the content-keyed cache
+    only if the fresh trace is the same program (what a fresh process computes:
+    tests/test_cache_correctness.py; no recompilation, so that these tests stay cheap)."""
+    from numpyro_fed.saem import fit as fit_mod
+
+    old = fit_mod.REPLAY_RUNS
+    fit_mod.REPLAY_RUNS = False
+    try:
+        before = _programs.stats()["replay_hits"]
+        out = fn()
+        assert _programs.stats()["replay_hits"] == before
+        return out
+    finally:
+        fit_mod.REPLAY_RUNS = old
 
 
 def _replayed(fn):
@@ -194,7 +208,7 @@ def test_a_wrong_replay_raises_under_verification(monkeypatch):
     (here: a closure value the key leaves out) is caught when the replayed program is
     traced anyway, with a RuntimeError naming the defect."""
     monkeypatch.setattr(_programs, "VERIFY_TRACE_KEYS", True)
-    _programs.clear()
+    _programs._REPLAYS.clear()
     x = jnp.arange(3.0)
 
     def run(c):
@@ -208,7 +222,7 @@ def test_a_wrong_replay_raises_under_verification(monkeypatch):
     np.testing.assert_array_equal(run(2.0), 2.0 * x)
     with pytest.raises(RuntimeError, match="replayed run prepared another program"):
         run(3.0)
-    _programs.clear()
+    _programs._REPLAYS.clear()
 
 
 def test_replayed_runs_follow_the_key_not_the_model_object(replay):
