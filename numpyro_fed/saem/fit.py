@@ -869,6 +869,10 @@ class SAEM:
             if isinstance(st.mstep, GaussianMStep) and spec.diag_sites:
                 # the diagonal random-effect scales, for the boundary slopes of the check
                 res._diag_scales = (tuple(spec.diag_sites), np.asarray(spec.lat_g))
+            if isinstance(st.mstep, GaussianMStep) and spec.mvn_sites:
+                # the full random-effect covariances, for the check's singular-covariance
+                # slopes (a correlation at +-1)
+                res._mvn_sites = tuple(spec.mvn_sites)
             res._warm = warm
             try:
                 res.convergence_messages = res.check_convergence(warn=True)
@@ -990,7 +994,7 @@ class SAEM:
                     f"from {b['reference']:.3g}), and the {what} became non-finite at "
                     f"iteration {bad + 1} (theta={_format_theta(info, failure.theta)}). The "
                     f"constraint of '{b['name']}' is respected; "
-                    + boundary_advice(b) + "."
+                    + boundary_advice(b, info) + "."
                 )
         summary = st.estep.step_size_summary(estate)
         if isinstance(st.estep, NumPyroEStep):

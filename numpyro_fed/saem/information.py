@@ -59,10 +59,10 @@ GH_MAX_LATENTS = 3
 
 
 def gaussian_hessian(info: ModelInfo, lay: SubjectLayout, ids, theta_u, z0, args, kwargs):
-    """Log-likelihood and its Hessian in the unconstrained :math:`\\theta` of a linear
-    Gaussian model (the integrand of every group quadratic in the latents; checked by the
-    caller, :func:`~numpyro_fed.saem.likelihood.gaussian_exact`), from the mode ``z0``
-    ``(d_z,)`` at ``theta_u``: ``(loglik, hessian (p, p))``."""
+    """Log-likelihood, its gradient and its Hessian in the unconstrained :math:`\\theta` of
+    a linear Gaussian model (the integrand of every group quadratic in the latents; checked
+    by the caller, :func:`~numpyro_fed.saem.likelihood.gaussian_exact`), from the mode
+    ``z0`` ``(d_z,)`` at ``theta_u``: ``(loglik, gradient (p,), hessian (p, p))``."""
 
     def ll(tu):
         tc = info.constrain_theta(tu)
@@ -79,7 +79,12 @@ def gaussian_hessian(info: ModelInfo, lay: SubjectLayout, ids, theta_u, z0, args
         _, logdet = jnp.linalg.slogdet(H)
         return jnp.sum(val + 0.5 * lay.q * jnp.log(2 * jnp.pi) - 0.5 * logdet) + rest
 
-    return ll(theta_u), jax.hessian(ll)(theta_u)
+    def value_grad(tu):
+        v, g = jax.value_and_grad(ll)(tu)
+        return g, (v, g)
+
+    H, (value, grad) = jax.jacfwd(value_grad, has_aux=True)(theta_u)
+    return value, grad, H
 
 
 def gh_nodes(lay: SubjectLayout, z_mode, H, num_nodes: int | None = None):
@@ -144,7 +149,8 @@ def node_hessian(info: ModelInfo, lay: SubjectLayout, ids, theta_u, nodes, logw,
     \\sum_i \\bar g_i\\bar g_i^\\top`, :math:`\\bar g_i = \\sum_k w_{ik}\\nabla a_{ik}`
     (the derivatives of :math:`\\log\\sum_k e^{a_{ik}}`).
 
-    :return: ``(loglik, hessian (p, p), batch_hessians (B, p, p) or None)``.
+    :return: ``(loglik, gradient (p,), hessian (p, p), batch_hessians (B, p, p) or None)``;
+        the gradient :math:`\\sum_i\\bar g_i` (plus the part outside the groups).
     """
     K, n = logw.shape
     B = max(int(num_batches), 1)
@@ -208,9 +214,11 @@ def node_hessian(info: ModelInfo, lay: SubjectLayout, ids, theta_u, nodes, logw,
     xs = (nodes.reshape((K // c, c) + nodes.shape[1:]), W.reshape(K // c, c, r, n),
           bid.reshape(K // c, c))
     (g_full, g_b, H_full, H_b), _ = lax.scan(body, init, xs)
-    H_rest = jax.hessian(lambda tu: a_of(tu, nodes[0])[1])(theta_u)
+    rest_of = lambda tu: a_of(tu, nodes[0])[1]  # noqa: E731
+    H_rest = jax.hessian(rest_of)(theta_u)
     hess = H_full - g_full.T @ g_full + H_rest
+    grad = jnp.sum(g_full, 0) + jax.grad(rest_of)(theta_u)
     if B == 1:
-        return value, hess, None
+        return value, grad, hess, None
     hb = H_b - jnp.einsum("bni,bnj->bij", g_b, g_b) + H_rest
-    return value, hess, hb
+    return value, grad, hess, hb

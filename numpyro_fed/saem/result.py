@@ -26,7 +26,7 @@ from numpyro_fed.saem.model import (
     merge_data,
     split_data,
 )
-from numpyro_fed.saem.mstep import VARIANCE_FLOOR, unwrap_normal
+from numpyro_fed.saem.mstep import VARIANCE_FLOOR, _mvn_rule_params, unwrap_mvn, unwrap_normal
 
 __all__ = ["SAEMResult", "ConvergenceWarning", "SingularFitWarning", "StandardErrors",
            "boundary_collapse", "singular_coords", "missing_ratio"]
@@ -61,6 +61,15 @@ _SINGULAR_PREFIX = "SAEM: boundary (singular) fit: "
 #: sublinear pace (normal-normal, 30 subjects, seeds 11 and 25 of 40: MLE 0, estimates
 #: 0.047 and 0.22, no message before)
 BOUNDARY_SLOPE_RATIO = 0.25
+
+#: a full random-effect covariance whose correlation matrix has a smallest eigenvalue below
+#: this at the estimate (a 2x2 correlation beyond +-0.98) gets the slope of the likelihood at
+#: the singular covariance next to it (:meth:`SAEMResult.covariance_face_slope`): <= 0 there,
+#: a boundary (singular) fit, as lme4 reports one. SAEM approaches a correlation of +-1 at
+#: EM's sublinear pace: nlme::Relaxin (exact ML correlation +1) ended at 0.997-0.999 on seeds
+#: 0-2, its Cholesky diagonal at 4-8% of its largest value, never near the variance floor;
+#: datasets::ChickWeight's interior -0.95 (0.10) stays below it
+COV_FACE_CORR = 0.02
 
 #: fewest iterations of the final (decreasing-step) phase. The drift test compares means over
 #: its quarters (12 iterations each at 50), and the averaging needs them: at gamma_k =
@@ -273,8 +282,37 @@ def run_off(info, theta_c: np.ndarray, theta0_c: np.ndarray, top: int = 2) -> li
             for j in order]
 
 
-def boundary_advice(b: dict) -> str:
+def _mvn_cov(rule: str, pnames, tc: dict):
+    """The covariance of a MultivariateNormal site under its M-step ``rule`` (see
+    :func:`~numpyro_fed.saem.mstep._mvn_rule_params`) from the constrained params ``tc``."""
+    if rule == "cholesky":
+        L = tc[pnames[0]]
+        return L @ L.T
+    if rule == "covariance":
+        return tc[pnames[0]]
+    L = tc[pnames[0]][:, None] * tc[pnames[1]]
+    return L @ L.T
+
+
+def _matrix_diagonal(info, name: str) -> bool:
+    """Whether the constrained coordinate ``name`` is a diagonal entry of a covariance or
+    Cholesky matrix parameter (its boundary 0: the matrix singular, not one random effect
+    absent)."""
+    for n in info.param_names:
+        shape = np.shape(info.theta0_c[n])
+        if len(shape) == 2 and shape[0] == shape[1] and name.startswith(f"{n}["):
+            return True
+    return False
+
+
+def boundary_advice(b: dict, info=None) -> str:
     """What to do about a parameter at the boundary of its support."""
+    if info is not None and _matrix_diagonal(info, b["name"]):
+        return (f"the maximum-likelihood covariance is probably singular ('{b['name']}', a "
+                "diagonal entry of its factor, at 0: a correlation of +-1, or a variance 0, "
+                "the random effects linearly dependent across groups). A diagonal "
+                "covariance or fewer random effects may describe the data as well (compare "
+                "the -2LL); estimates and standard errors at a boundary are not regular")
     return (f"the maximum-likelihood estimate of '{b['name']}' is probably its boundary "
             f"{b['bound']:g} (a variance or scale the data do not support: every subject "
             "alike, all observations equal, a random effect or error term with nothing to "
@@ -415,6 +453,29 @@ def _slope_message(kind: str, name: str, value: float, ratio: float, slope: str)
             f"away from 0 along it ({slope}): 0 is not its maximum, the variance collapsed on "
             "the way; refit with a larger initial value (init_params) or a longer exploration "
             "phase.")
+
+
+def _face_message(site: str, f: dict) -> str:
+    """What :meth:`SAEMResult.covariance_face_slope` says of a full covariance ending nearly
+    singular (:meth:`SAEMResult._covariance_faces`)."""
+    corr = f["correlation"]
+    rho = (f", correlation {corr[1, 0]:+.4f}" if corr.shape == (2, 2) else "")
+    slope = (f"d log L / d variance along its smallest eigenvector = {f['slope']:.3g}, Monte "
+             f"Carlo SE {f['se']:.2g}")
+    if f["kind"] == "face":
+        return (f"{_SINGULAR_PREFIX}the covariance of '{site}' ends nearly singular (smallest "
+                f"eigenvalue of its correlation matrix {f['min_corr_eigenvalue']:.2g}{rho}) and "
+                "the log-likelihood decreases away from the singular covariance next to it "
+                f"({slope}): the maximum-likelihood covariance is singular (a correlation of "
+                f"+-1, or a variance 0) and the estimates approach it ({f['names']} towards "
+                "0), the -2LL that of the fit (lme4 reports such a fit as 'boundary (singular) "
+                "fit'). A diagonal covariance or fewer random effects may describe the data "
+                "as well (compare the -2LL); estimates and standard errors at a boundary are "
+                "not regular.")
+    return (f"SAEM: {f['names']} end near 0, but the log-likelihood increases away from the "
+            f"singular covariance of '{site}' ({slope}): it is not the maximum, the covariance "
+            "collapsed on the way; refit with larger initial values (init_params) or a longer "
+            "exploration phase.")
 
 
 class StandardErrors(dict):
@@ -635,17 +696,21 @@ class SAEMResult:
                     S = 4 * IS_NUM_SAMPLES
                     out = self._node_information("is", num_samples=S, rng_key=rk)
                 self._fisher[key] = (*out, S)
-        info_u, mc = self._fisher[key][:2]
+        info_u, mc, grad_u = self._fisher[key][:3]
         if method == "is":
-            self._fisher_num_samples = self._fisher[key][2]
+            self._fisher_num_samples = self._fisher[key][3]
         if not np.all(np.isfinite(info_u)) and requested == "auto" and method != "louis":
             # a quadrature or importance sum that overflowed: the Louis identity
             if "louis" not in self._fisher:
                 self._fisher["louis"] = self._louis_information()
             method = "louis"
-            info_u, mc = self._fisher["louis"]
+            info_u, mc, grad_u = self._fisher["louis"]
         #: which information the standard errors come from (see :meth:`fisher_information`)
         self.fisher_method = method
+        #: gradient of the log-likelihood at the estimate, unconstrained coordinates, from the
+        #: same method (0 at an exact maximum; the standard errors use it to take the
+        #: curvature in the coordinates they report, see :meth:`_information_in`)
+        self.fisher_score = np.asarray(grad_u, np.float64)
         #: estimated relative Monte Carlo error of the standard error of each unconstrained
         #: coordinate of theta (0: a deterministic method)
         self.fisher_mc_error = np.asarray(mc, np.float64)
@@ -676,9 +741,9 @@ class SAEMResult:
 
             return f
 
-        _, H = self._program("info_exact", build)(jnp.asarray(self.theta), zm)
+        _, g, H = self._program("info_exact", build)(jnp.asarray(self.theta), zm)
         H = np.asarray(H, np.float64)
-        return -(H + H.T) / 2.0, np.zeros(H.shape[0])
+        return -(H + H.T) / 2.0, np.zeros(H.shape[0]), np.asarray(g, np.float64)
 
     def _node_information(self, kind: str, num_nodes=None, num_samples=4000, rng_key=None):
         """Minus the Hessian of the node sum (Gauss--Hermite nodes or importance draws fixed
@@ -708,7 +773,7 @@ class SAEMResult:
         # the conditional modes of the likelihood, the importance sampler and the EBEs:
         # computed once per result, not again inside this program
         around = self._modes()[:2] if kind == "gq" else zs
-        _, H, Hb = self._program(name, build)(jnp.asarray(self.theta), around, M, key)
+        _, g, H, Hb = self._program(name, build)(jnp.asarray(self.theta), around, M, key)
         H = np.asarray(H, np.float64)
         info_u = -(H + H.T) / 2.0
         mc = np.zeros(H.shape[0])
@@ -731,7 +796,7 @@ class SAEMResult:
                 # a batch whose information is not positive definite: an error of 100%
                 mc = np.where(np.all(np.isfinite(se_b), 0),
                               np.std(se_b, 0, ddof=1) / np.sqrt(B) / se, 1.0)
-        return info_u, mc
+        return info_u, mc, np.asarray(g, np.float64)
 
     def _louis_information(self):
         """The Louis information from the fit's draws (see :meth:`fisher_information`) and
@@ -765,7 +830,7 @@ class SAEMResult:
         info_u = (info_u + info_u.T) / 2.0
         self.louis_missing_ratio = missing_ratio(info_u, (miss + miss.T) / 2.0)
         self.louis_num_draws = int(g.shape[0])
-        return info_u, self.louis_missing_ratio / np.sqrt(2.0 * g.shape[0])
+        return info_u, self.louis_missing_ratio / np.sqrt(2.0 * g.shape[0]), gm
 
     @property
     def singular(self) -> bool:
@@ -842,9 +907,55 @@ class SAEMResult:
         se = np.sqrt(np.where(np.diag(cov_c) > 0, np.diag(cov_c), np.nan))
         return self._nan_singular(se)
 
+    def _model_coords(self, tu: jax.Array) -> jax.Array:
+        """The coordinates :meth:`standard_errors` takes the curvature in: the constrained
+        values of every elementwise parameter (a standard deviation as the model writes it,
+        a rate, a location), the unconstrained coordinates of a matrix parameter (a
+        Cholesky factor has more entries than free coordinates)."""
+        info = self.info
+        tc = info.theta_c_flat(tu)
+        parts = []
+        for i in range(len(info.param_names)):
+            o, o1 = int(info.param_offsets[i]), int(info.param_offsets[i + 1])
+            u, u1 = int(info.param_offsets_u[i]), int(info.param_offsets_u[i + 1])
+            parts.append(tc[o:o1] if o1 - o == u1 - u else tu[u:u1])
+        return jnp.concatenate(parts)
+
+    def _information_in(self, info_u: np.ndarray, *coords: Callable) -> np.ndarray:
+        r"""The information of :meth:`fisher_information` (unconstrained :math:`u`) turned
+        into the curvature in the reported coordinates :math:`\phi = \phi(u)`: the first of
+        ``coords`` that is one to one with :math:`u` at the estimate. Returns
+        :math:`A = I_u + \sum_k g_{\phi,k}\nabla_u^2\phi_k`, :math:`g_\phi =
+        J^{-\top} g_u` (:attr:`fisher_score`), so that the delta method
+        :math:`J A^{-1} J^\top` is exactly the inverse of minus the Hessian of the
+        log-likelihood in :math:`\phi` (:math:`\nabla_u^2\ell = J^\top\nabla_\phi^2\ell\,J
+        + \sum_k g_{\phi,k}\nabla_u^2\phi_k`), the observed information saemix and
+        Monolix invert for the SE of a variance. At an exact maximum :math:`g = 0` and
+        nothing changes; at a stochastic estimate the gradient term is first order in its
+        distance to the maximum and, for a weakly identified variance, not small against
+        the curvature: OrchardSprays' var(col) (crossed, seed 0), the log-sd curvature
+        carried to the variance by the delta method gave an SE 1.34x the exact one at the
+        same estimate. ``info_u`` unchanged when no coordinates qualify."""
+        g = np.asarray(getattr(self, "fisher_score", np.zeros(0)), np.float64)
+        theta = jnp.asarray(self.theta)
+        if g.shape != (info_u.shape[0],) or not np.all(np.isfinite(g)):
+            return info_u
+        for phi in coords:
+            J = np.asarray(jax.jacfwd(phi)(theta), np.float64)
+            if J.shape != info_u.shape or not np.all(np.isfinite(J)):
+                continue
+            if not np.linalg.cond(J) < 1e12:
+                continue
+            g_phi = np.linalg.solve(J.T, g)
+            T = np.asarray(jax.hessian(phi)(theta), np.float64)
+            A = info_u + np.einsum("k,kij->ij", g_phi, T)
+            return (A + A.T) / 2.0
+        return info_u
+
     def _cov_constrained(self, info_u: np.ndarray) -> np.ndarray:
-        """Covariance of the constrained flat coordinates (delta method)."""
-        cov_u = self._face_inverse(info_u)
+        """Covariance of the constrained flat coordinates (delta method from the curvature in
+        :meth:`_model_coords`)."""
+        cov_u = self._face_inverse(self._information_in(info_u, self._model_coords))
         jac = np.asarray(jax.jacfwd(self.info.theta_c_flat)(jnp.asarray(self.theta)))
         return jac @ cov_u @ jac.T
 
@@ -932,7 +1043,8 @@ class SAEMResult:
         dict then has ``converged`` false and the reasons in ``convergence_messages``
         (attributes)."""
         self._warn_unconverged("standard errors")
-        info_u = self.fisher_information(method, **kwargs)
+        info_u = self._information_in(self.fisher_information(method, **kwargs),
+                                      self._model_coords)
         try:
             cov_u = self._face_inverse(info_u)
         except np.linalg.LinAlgError:
@@ -1027,13 +1139,15 @@ class SAEMResult:
         sing = set(getattr(self, "singular_params", []))
         if self.centring is not None and standard_errors:
             self._warn_unconverged("standard errors")
-            info_u = self.fisher_information(method, **kwargs)
+            rows_of_u = lambda tu: jnp.stack(  # noqa: E731
+                [g(self.info.theta_c_flat(tu)) for _, g, _ in rows])
+            # the curvature in the rows' own coordinates (omega^2, cov(L)[i,j], ...)
+            info_u = self._information_in(self.fisher_information(method, **kwargs),
+                                          rows_of_u, self._model_coords)
             try:
                 cov_u = self._face_inverse(info_u)
             except np.linalg.LinAlgError:
                 cov_u = np.full_like(info_u, np.nan)
-            rows_of_u = lambda tu: jnp.stack(  # noqa: E731
-                [g(self.info.theta_c_flat(tu)) for _, g, _ in rows])
             J = np.asarray(jax.jacfwd(rows_of_u)(jnp.asarray(self.theta)), np.float64)
             v = np.diag(J @ cov_u @ J.T)
             se = np.sqrt(np.where(v > 0, v, np.nan))
@@ -1410,6 +1524,146 @@ class SAEMResult:
         se = float(np.std(bm, ddof=1) / np.sqrt(B)) if B > 1 else float("nan")
         return float(d.mean()), se
 
+    def _mvn_covariance(self, site: str):
+        """``(rule, param names, covariance (q, q) float64)`` of the full random-effect
+        covariance of ``site`` at the estimate, or ``None``."""
+        hit = [m for m in (getattr(self, "_mvn_sites", None) or ()) if m[0] == site]
+        if not hit:
+            return None
+        _, rule, pnames = hit[0]
+        tc = self.info.constrain_theta(jnp.asarray(self.theta))
+        return rule, list(pnames), np.asarray(_mvn_cov(rule, pnames, tc), np.float64)
+
+    def covariance_face_slope(self, site: str) -> dict | None:
+        r"""The derivative of the log-likelihood at the singular covariance next to the
+        estimate of a full random-effect covariance :math:`\hat\Omega` (the
+        MultivariateNormal latent ``site`` whose covariance the closed-form M-step updates),
+        along its smallest eigenvector :math:`v`: with :math:`\Omega_0 = \hat\Omega -
+        \lambda_{min} vv^\top` (rank deficient: a correlation of +-1 when q = 2),
+        :math:`D = \partial_t \log p(y\mid\Omega_0 + t\,vv^\top)|_{t=0} = \tfrac12
+        \sum_i E[(v^\top\nabla_{b_i}\ell)^2 + v^\top\nabla^2_{b_i}\ell\,v]`, the
+        expectation over the latents given the data at :math:`\Omega_0`, :math:`\ell` the
+        complete-data log-density without the site's own prior, each group's :math:`b_i`
+        projected onto the face (:math:`b_i - vv^\top(b_i - \mu_i)`) -- the multivariate
+        form of :meth:`boundary_slope`, estimated from the final draws (Rademacher probes for
+        the Hessian term; the prior's part is removed exactly, the density evaluated at
+        :math:`\Omega_0 + \bar\omega^2 vv^\top` so that nothing large cancels).
+        ``D <= 0``: the likelihood decreases away from the singular covariance, whose face
+        holds the maximum (lme4's "boundary (singular) fit"); ``D > 0``: it increases, the
+        maximum is inside.
+
+        :return: ``None`` when ``site`` has no such covariance, else a dict with ``slope``
+            and ``se`` (its Monte Carlo standard error, batch means over the draws),
+            ``min_corr_eigenvalue`` (of the estimate's correlation matrix), ``direction``
+            (:math:`v`) and ``correlation`` (the estimate's correlation matrix)."""
+        got = self._mvn_covariance(site)
+        if got is None:
+            return None
+        rule, pnames, S = got
+        info = self.info
+        sd = np.sqrt(np.diag(S))
+        corr = S / np.outer(sd, sd)
+        lam, vecs = np.linalg.eigh(S)
+        v = vecs[:, 0]
+        c = float(np.mean(np.diag(S)))
+        q = S.shape[0]
+        zs = np.asarray(self.z_draws)
+        T, C = zs.shape[:2]
+        rows = int(np.size(info.trace0[site]["value"])) // q
+        signs = np.where(np.random.default_rng(0).random((T * C, rows)) < 0.5, -1.0, 1.0)
+
+        def build(args, kwargs, ids):
+            def f(theta_u, zs, signs, v, c):
+                tc = info.constrain_theta(theta_u)
+                Sig = _mvn_cov(rule, pnames, tc)
+                lam0 = v @ Sig @ v
+                t1 = {**tc, **_mvn_rule_params(rule, pnames, Sig + c * jnp.outer(v, v))}
+
+                def one(zf, sg):
+                    zc, _ = info.constrain_z(zf)
+                    tr = info.trace_at(t1, zc, args, kwargs)
+                    loc = unwrap_mvn(tr[site]["fn"], tr[site]["value"])[0]  # (rows, q)
+                    shape = jnp.shape(zc[site])
+                    b = zc[site].reshape(-1, q)
+                    x0 = b - ((b - loc) @ v)[:, None] * v[None, :]
+
+                    def ell(x):
+                        return info.log_joint_c(t1, {**zc, site: x.reshape(shape)}, args,
+                                                kwargs)
+
+                    g = jax.grad(ell)(x0)
+                    w = sg[:, None] * v[None, :]
+                    hv = jax.jvp(jax.grad(ell), (x0,), (w,))[1]
+                    # the prior N(loc, Sig + c vv') along v at x0: gradient 0 (x0 - loc is
+                    # orthogonal to v, an eigenvector), curvature -1 / (lam0 + c) per row
+                    return 0.5 * (jnp.sum((g @ v) ** 2) + jnp.sum(w * hv)
+                                  + x0.shape[0] / (lam0 + c))
+
+                return jax.vmap(one)(zs, signs)
+
+            return f
+
+        dt = zs.dtype
+        d = self._program(("face_slope", site), build)(
+            jnp.asarray(self.theta), jnp.asarray(zs.reshape(T * C, -1)),
+            jnp.asarray(signs, dt), jnp.asarray(v, dt), jnp.asarray(c, dt))
+        d = np.asarray(d, np.float64).reshape(T, C).mean(1)
+        B = min(10, T)
+        bm = np.array([b.mean() for b in np.array_split(d, B)])
+        se = float(np.std(bm, ddof=1) / np.sqrt(B)) if B > 1 else float("nan")
+        return {"slope": float(d.mean()), "se": se,
+                "min_corr_eigenvalue": float(np.linalg.eigvalsh(corr)[0]),
+                "direction": v, "correlation": corr}
+
+    def _covariance_faces(self, cols: list, sing: list) -> dict:
+        """For each full random-effect covariance that ends nearly singular (smallest
+        eigenvalue of its correlation matrix below :data:`COV_FACE_CORR`) or with a diagonal
+        entry of its factor among ``sing`` (the trajectory's boundary coordinates): the
+        verdict of :meth:`covariance_face_slope`. ``{site: {kind, js, names, ...}}`` with
+        ``kind`` ``"face"`` (the slope <= 0 within 2 Monte Carlo SE: a boundary fit; ``js``
+        the factor's diagonal coordinates at 0, or the one nearest 0 relative to its
+        standard deviation) or ``"refuted"`` (significantly > 0 although the trajectory put
+        ``js`` at 0: a collapse, not the maximum)."""
+        out = {}
+        for site, rule, pnames in getattr(self, "_mvn_sites", None) or ():
+            S = self._mvn_covariance(site)[2]
+            q = S.shape[0]
+            sd = np.sqrt(np.diag(S))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                lc = float(np.linalg.eigvalsh(S / np.outer(sd, sd))[0])
+            mat = pnames[1] if rule == "scale_corr" else pnames[0]
+            diag = {k: f"{mat}[{k},{k}]" for k in range(q) if f"{mat}[{k},{k}]" in cols}
+            in_sing = [cols.index(n) for n in diag.values() if cols.index(n) in sing]
+            if not (lc < COV_FACE_CORR or in_sing):
+                continue
+            try:
+                fs = self.covariance_face_slope(site)
+            except Exception:  # noqa: BLE001
+                # a model the slope's program cannot differentiate: judged by the trajectory
+                # alone, as before (the suite's strict mode raises)
+                if _programs.VERIFY_TRACE_KEYS:
+                    raise
+                continue
+            if fs is None or not np.isfinite(fs["slope"]) or not np.isfinite(fs["se"]):
+                continue
+            if in_sing and fs["slope"] > 3.0 * fs["se"]:
+                kind, js = "refuted", in_sing
+            elif fs["slope"] + 2.0 * fs["se"] <= 0.0:
+                kind, js = "face", in_sing
+                if not js and diag:
+                    # the factor's diagonal entry nearest 0 against its standard deviation
+                    # (the SD of that random effect given those before it)
+                    try:
+                        rel = np.abs(np.diag(np.linalg.cholesky(S))) / sd
+                    except np.linalg.LinAlgError:  # singular in float64 too: its last entry
+                        rel = np.arange(q, 0, -1, dtype=np.float64)
+                    k = min(diag, key=lambda k: rel[k])
+                    js = [cols.index(diag[k])]
+            else:
+                continue
+            out[site] = {**fs, "kind": kind, "js": js, "names": [cols[j] for j in js]}
+        return out
+
     def check_convergence(self, warn: bool = True) -> list[str]:
         """Signs of a fit that has not converged, as messages naming what to change (warned
         as :class:`ConvergenceWarning` when ``warn``; the fit keeps them in
@@ -1481,7 +1735,10 @@ class SAEMResult:
                     refuted.append(j)
                 elif j not in sing and sl[0] + 2.0 * sl[1] <= 0.0:
                     (settled if small else short).append(j)
-        sing = sorted((set(sing) - set(refuted)) | set(settled))
+        faces = self._covariance_faces(cols, sing) if info is not None and K else {}
+        face_out = {j for f in faces.values() if f["kind"] == "refuted" for j in f["js"]}
+        face_in = {j for f in faces.values() if f["kind"] == "face" for j in f["js"]}
+        sing = sorted((set(sing) - set(refuted) - face_out) | set(settled) | face_in)
         self.singular_params = [cols[j] for j in sing]
         live = np.ones(len(cols), bool)
         live[sing] = False
@@ -1586,6 +1843,12 @@ class SAEMResult:
                 msgs.append(_slope_message(kind, cols[j], X[-1, j], ratio, slope_text(j)))
                 if kind == "settled":
                     singular_msgs.append(msgs[-1])
+        for site, f in faces.items():
+            if b is not None and b["name"] in f["names"]:
+                continue  # said by the collapse's message below
+            msgs.append(_face_message(site, f))
+            if f["kind"] == "face":
+                singular_msgs.append(msgs[-1])
         if b is not None:
             sing_now = b["name"] in self.singular_params
             others = [n for n in self.singular_params if n != b["name"]]
@@ -1595,7 +1858,7 @@ class SAEMResult:
                 + f"'{b['name']}' fell to {b['value']:.3g} at iteration "
                 f"{b['iteration']} (down from {b['reference']:.3g} earlier): it is heading to "
                 f"{b['bound']:g}, the boundary of its support, and "
-                + (boundary_advice(b) if cols.index(b["name"]) not in refuted else
+                + (boundary_advice(b, info) if cols.index(b["name"]) not in refuted else
                    "the log-likelihood increases away from 0 along it ("
                    + slope_text(cols.index(b["name"])) + "): 0 is not its maximum, the "
                    "variance collapsed on the way (refit with a larger initial value, "
