@@ -67,6 +67,7 @@ from numpyro_fed.saem.model import (
     units_per_block,
 )
 from numpyro_fed.saem.mstep import (
+    PROBE_SEED,
     GaussianMStep,
     NewtonMStep,
     SufficientStatistics,
@@ -589,8 +590,10 @@ class SAEM:
         (:func:`~numpyro_fed.saem.model.subject_layout`), else one joint block and why."""
         layout, reason = (None, "mh_blocks='joint'")
         if self.mh_blocks != "joint" and builtin:
+            # the structure probes from a fixed key, as the M-step's (PROBE_SEED): the
+            # layout is the model's, the same for every seed (a replayed run relies on it)
             layout, reason = subject_layout(info, self.subject_plate, args, kwargs,
-                                            random.fold_in(rng_key, 3))
+                                            random.fold_in(random.key(PROBE_SEED), 3))
             if layout is None and self.mh_blocks == "subject":
                 raise ValueError(
                     f"mh_blocks='subject': the model has no subject structure ({reason}); use "
