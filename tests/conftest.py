@@ -16,6 +16,8 @@ Set before JAX creates its CPU backend, and inherited by the processes the tests
   and in the Flower processes it starts) is read back instead of compiled again. It is
   keyed by the program and the compiler options, so it cannot serve a stale program;
   ``NUMPYRO_FED_TEST_CACHE=0`` turns it off;
+- ``NUMPYRO_FED_WARM_PROGRAMS=0``: no standard-error programs compiled in the shadow of a
+  fit's loop (the tests of that warming turn it on);
 - ``NUMPYRO_FED_VERIFY_TRACE_KEYS=1``: the library's program cache (:mod:`numpyro_fed.
   _programs`) reuses an executable when a fresh trace has the fingerprint of an earlier one,
   without lowering it again; in the suite every trace is lowered anyway and a fingerprint
@@ -38,6 +40,12 @@ if os.environ.get("NUMPYRO_FED_TEST_CACHE", "1") != "0":
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 os.environ.setdefault("NUMPYRO_FED_VERIFY_TRACE_KEYS", "1")
+# SAEM fits compile their standard errors' programs on a worker thread while their loop
+# runs (numpyro_fed.saem.fit.WARM_PROGRAMS): wall time saved on an idle machine, extra work
+# when every core runs a test worker and the test never asks for the standard errors
+# (measured: 8% of the SAEM shape and boundary tests). It changes no number
+# (tests/test_saem_warm.py, which turns it on, as does the replay test of a warmed run)
+os.environ.setdefault("NUMPYRO_FED_WARM_PROGRAMS", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

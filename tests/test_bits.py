@@ -246,13 +246,14 @@ def _run(kern, n=6, chains=1):
     return mcmc
 
 
-# two cases cover a data-dependent quantised length with participation-free sums and a custom
-# compressor's two-word length (participants x static length: test_count_times_static_length
-# and, under -m slow, the QLSD++ / LSD / D-ELF cases); the others run with -m slow
+# one case covers a data-dependent quantised length with participation-free sums (a custom
+# compressor's two-word length, participants x static length: test_count_times_static_length
+# and, under -m slow, the custom BitCounter, QLSD++ / LSD / D-ELF cases); the others run with
+# -m slow (35-41 s each: suite time)
 _SLOW = pytest.mark.slow
 
 @pytest.mark.parametrize("name", [
-    "B-ELF scaled(quantize)", "custom BitCounter",
+    "B-ELF scaled(quantize)", pytest.param("custom BitCounter", marks=_SLOW),
     *(pytest.param(n, marks=_SLOW) for n in ("QLSD++ p=0.6", "LMC", "QLSD#", "LSD p=0.6",
                                              "D-ELF top-2 p=0.5", "P-ELF top-2",
                                              "custom int32"))])

@@ -181,7 +181,10 @@ def restore_loc():
 
 
 # ----------------------------------------------------------------- what a program reads
-@pytest.mark.parametrize("name", ["nuts", "ula", "qlsd++", "belf"])
+# NUTS and B-ELF read the model through the same potential as ULA and QLSD++ (13-34 s each:
+# suite time; -m slow runs them)
+@pytest.mark.parametrize("name", [pytest.param("nuts", marks=pytest.mark.slow), "ula", "qlsd++",
+                                  pytest.param("belf", marks=pytest.mark.slow)])
 def test_module_global(name, restore_loc):
     """The issue's example: the prior location changed from 0 to 50 after a run."""
     kernel = _kernel(name)
@@ -205,7 +208,7 @@ def test_closure_cell(name):
     _check(kernel, lambda: set_loc(50.0), (lambda: (X, y)) if _pooled(name) else (lambda: ()))
 
 
-@pytest.mark.parametrize("name", ["nuts", "qlsd#"])
+@pytest.mark.parametrize("name", [pytest.param("nuts", marks=pytest.mark.slow), "qlsd#"])
 def test_jnp_array_in_a_dict_argument(name):
     """The same dict object, a new jnp array in it (a hyperparameter at run time). The old
     array is freed first, so that the new one may take its address (its ``id``)."""

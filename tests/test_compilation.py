@@ -126,7 +126,9 @@ def test_numpyro_mcmc_recompiles_where_cached_mcmc_does_not():
 @pytest.mark.parametrize("options", [
     dict(num_warmup=6, num_samples=9, thinning=2),
     dict(num_warmup=4, num_samples=7, num_chains=2, chain_method="vectorized"),
-    dict(num_warmup=4, num_samples=7, num_chains=2, chain_method="sequential"),
+    # 2 sequential chains: the vectorized case's program per chain (26 s: suite time)
+    pytest.param(dict(num_warmup=4, num_samples=7, num_chains=2, chain_method="sequential"),
+                 marks=pytest.mark.slow),
     dict(num_warmup=8, num_samples=12, progress_bar=True),
 ])
 def test_cached_mcmc_same_draws_as_numpyro_mcmc(options):

@@ -347,7 +347,8 @@ def _se_ratio(name, seed=0, method="auto"):
     return out, [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize("name", ["dyestuff", "sleepstudy_lme4style"])
+@pytest.mark.parametrize("name", [
+    "dyestuff", pytest.param("sleepstudy_lme4style", marks=pytest.mark.slow)])  # 34 s
 def test_variance_standard_errors_agree_with_the_exact_information(name):
     """Louis SEs of the variance components (omega^2, sigma^2) within 20% of the exact
     observed information's (measured 0.97-1.02 on seeds 0-1), and no warning that they are
@@ -398,6 +399,7 @@ def test_singular_coords_floor_band():
     assert singular_coords(info, big[:, None], np.array([100.0])) == []
 
 
+@pytest.mark.slow  # a benchmark's smoke run, 36 s (suite time)
 def test_normal_normal_seeds_benchmark_smoke():
     """``benchmarks/saem_normal_normal_seeds.py`` (the 40-seed table of the README) runs:
     two seeds, one with each kind of maximum."""

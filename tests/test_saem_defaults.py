@@ -57,7 +57,10 @@ def test_defaults_reach_the_exact_maximum(name):
     assert res.settings["num_chains"] * case.n_subjects >= 50
 
 
-@pytest.mark.parametrize("name,seed", [("orthodont", 3), ("orthodont_full", 0)])
+@pytest.mark.parametrize("name,seed", [
+    ("orthodont", 3),
+    pytest.param("orthodont_full", 0, marks=pytest.mark.slow),  # 34-39 s (suite time)
+])
 def test_interweaving_reaches_a_small_variance(name, seed):
     """Orthodont: the slope variance (0.009 diagonal, 0.046 with the correlation) is small
     against what 4 observations say of a subject's slope (sd 0.31). The centred M-step alone

@@ -214,6 +214,8 @@ def _check_default_fit(name, seed, or_warned: bool = False):
     return res
 
 
+@pytest.mark.slow  # 47-87 s (suite time; nested factors stay in the suite with the
+# plate sizes from the data and oats' blocks)
 def test_pastes_default_fit_reaches_the_exact_maximum():
     """Was: -2LL (IS) 9.8 above the exact value, tau_batch^2 2.5x its MLE (one joint block).
     Known open limit (issue 28): on some CPUs seed 0 ends with tau_batch^2 at 0.51 against its

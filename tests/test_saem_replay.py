@@ -276,6 +276,7 @@ def test_a_run_that_warmed_its_programs_is_replayed_whole(replay, monkeypatch):
     from numpyro_fed.saem import fit as fit_mod
 
     monkeypatch.setattr(fit_mod, "WARM_AFTER_S", 0.0)
+    monkeypatch.setattr(fit_mod, "WARM_PROGRAMS", True)  # off in the suite (conftest)
     monkeypatch.setattr(SAEM, "_loop_busy", staticmethod(lambda outputs: lambda: True))
     traced = []
     orig = _programs._prepare_traced

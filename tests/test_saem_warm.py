@@ -19,6 +19,15 @@ from numpyro_fed.saem import SAEM
 pytestmark = pytest.mark.xdist_group("saem_warm")
 
 
+@pytest.fixture(autouse=True)
+def _warming_on():
+    """The suite turns the warming off (tests/conftest.py); these tests are about it (a
+    patch of its own: the tests' ``monkeypatch.undo()`` keeps it)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fit_mod, "WARM_PROGRAMS", True)
+        yield
+
+
 @pytest.fixture(scope="module")
 def theoph():
     case = get_case("theoph_long")
