@@ -255,7 +255,8 @@ def test_cached_mcmc_changed_settings_or_data_is_a_new_loop():
     assert not np.array_equal(first, second) and not np.array_equal(second, third)
 
 
-@pytest.mark.parametrize("kind", ["qlsd*", "delf", "mala"])
+@pytest.mark.parametrize("kind", [pytest.param("qlsd*", marks=pytest.mark.slow),  # 18 s
+                                  "delf", "mala"])
 def test_cached_mcmc_second_run_compiles_nothing_other_kernels(kind):
     """QLSD* (theta* found by the first ``init``), an ELF kernel and MALA (step-size
     adaptation reads ``num_warmup``): the second run of a new CachedMCMC compiles nothing."""
