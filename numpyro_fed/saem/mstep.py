@@ -153,6 +153,18 @@ class GaussianSpec(NamedTuple):
 _MVN_RULES = ("cholesky", "covariance", "scale_corr")
 
 
+def mvn_rule_covariance(rule, names, tc: dict):
+    """The covariance of a MultivariateNormal site under its ``rule`` (the inverse of
+    :func:`_mvn_rule_params`) from the constrained params ``tc``."""
+    if rule == "cholesky":
+        L = tc[names[0]]
+        return L @ L.T
+    if rule == "covariance":
+        return tc[names[0]]
+    L = tc[names[0]][:, None] * tc[names[1]]
+    return L @ L.T
+
+
 def _mvn_rule_params(rule, names, Sigma):
     """Param values (constrained) giving the covariance ``Sigma`` under ``rule``."""
     if rule == "cholesky":
@@ -1108,14 +1120,7 @@ class GaussianMStep(MStep):
 
     def _mvn_cov(self, t, k):
         n, rule, names = self.spec.mvn_sites[k]
-        tc = self._unravel_c(t)
-        if rule == "cholesky":
-            L = tc[names[0]]
-            return L @ L.T
-        if rule == "covariance":
-            return tc[names[0]]
-        L = tc[names[0]][:, None] * tc[names[1]]
-        return L @ L.T
+        return mvn_rule_covariance(rule, names, self._unravel_c(t))
 
     def _set_mvn(self, t, k, Sig):
         n, rule, names = self.spec.mvn_sites[k]

@@ -26,7 +26,13 @@ from numpyro_fed.saem.model import (
     merge_data,
     split_data,
 )
-from numpyro_fed.saem.mstep import VARIANCE_FLOOR, _mvn_rule_params, unwrap_mvn, unwrap_normal
+from numpyro_fed.saem.mstep import (
+    VARIANCE_FLOOR,
+    _mvn_rule_params,
+    mvn_rule_covariance,
+    unwrap_mvn,
+    unwrap_normal,
+)
 
 __all__ = ["SAEMResult", "ConvergenceWarning", "SingularFitWarning", "StandardErrors",
            "boundary_collapse", "singular_coords", "missing_ratio"]
@@ -280,18 +286,6 @@ def run_off(info, theta_c: np.ndarray, theta0_c: np.ndarray, top: int = 2) -> li
     names = info.theta_coord_names
     return [{"name": names[j], "start": float(start[j]), "value": float(last[j])}
             for j in order]
-
-
-def _mvn_cov(rule: str, pnames, tc: dict):
-    """The covariance of a MultivariateNormal site under its M-step ``rule`` (see
-    :func:`~numpyro_fed.saem.mstep._mvn_rule_params`) from the constrained params ``tc``."""
-    if rule == "cholesky":
-        L = tc[pnames[0]]
-        return L @ L.T
-    if rule == "covariance":
-        return tc[pnames[0]]
-    L = tc[pnames[0]][:, None] * tc[pnames[1]]
-    return L @ L.T
 
 
 def _matrix_diagonal(info, name: str) -> bool:
@@ -1532,7 +1526,7 @@ class SAEMResult:
             return None
         _, rule, pnames = hit[0]
         tc = self.info.constrain_theta(jnp.asarray(self.theta))
-        return rule, list(pnames), np.asarray(_mvn_cov(rule, pnames, tc), np.float64)
+        return rule, list(pnames), np.asarray(mvn_rule_covariance(rule, pnames, tc), np.float64)
 
     def covariance_face_slope(self, site: str) -> dict | None:
         r"""The derivative of the log-likelihood at the singular covariance next to the
@@ -1575,7 +1569,7 @@ class SAEMResult:
         def build(args, kwargs, ids):
             def f(theta_u, zs, signs, v, c):
                 tc = info.constrain_theta(theta_u)
-                Sig = _mvn_cov(rule, pnames, tc)
+                Sig = mvn_rule_covariance(rule, pnames, tc)
                 lam0 = v @ Sig @ v
                 t1 = {**tc, **_mvn_rule_params(rule, pnames, Sig + c * jnp.outer(v, v))}
 
