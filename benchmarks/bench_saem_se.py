@@ -3,12 +3,14 @@
 For every case of ``tests/saem_cases.py`` (each has an exact reference) and seed: the default
 fit ``SAEM(case.model).run(jax.random.key(seed), **case.data)``, then the standard error of
 every variance / covariance quantity of the case (``omega^2``, ``sigma^2``, ``Sigma[i,j]``)
-from the information :meth:`SAEMResult.fisher_information` returns (delta method from the
-fit's unconstrained coordinates through ``case.quantities``), divided by
+from the information :meth:`SAEMResult.fisher_information` returns, taken as the curvature
+in the case's quantities (``SAEMResult._information_in``: the gradient term of a stochastic
+estimate included, as the library's parameter table does; before it, the delta method from
+the fit's unconstrained coordinates), divided by
 
-* ``exact@est``: the SE from the exact observed information at the SAEM estimate (float64
-  Hessian of the case's own exact marginal likelihood -- closed form or adaptive
-  Gauss--Hermite -- written independently of the library);
+* ``exact@est``: the SE from the exact observed information in those quantities at the SAEM
+  estimate (float64 Hessian of the case's own exact marginal likelihood -- closed form or
+  adaptive Gauss--Hermite -- written independently of the library);
 * ``exact@mle``: the stored reference SE at the exact maximum (``saem_references.json``).
 
 The target is ``|ratio - 1| <= 0.2``. A boundary variance (Dyestuff2's tau^2, ML value 0) has
@@ -51,33 +53,28 @@ def quantity_se(res, case, names, method: str) -> tuple[dict, str]:
     else:
         info_u = fi()
         used = "louis (base)"
-    cov_u = res._face_inverse(info_u)
     theta = jnp.asarray(res.theta)
 
-    def q(th_u):
+    def q_all(th_u):
         qd = case.quantities(res.info.constrain_theta(th_u))
-        return jnp.stack([jnp.asarray(qd[k], theta.dtype) for k in names])
+        return jnp.stack([jnp.asarray(v, theta.dtype) for v in qd.values()])
 
-    J = np.asarray(jax.jacfwd(q)(theta), np.float64)
+    if hasattr(res, "_information_in"):  # the curvature in the quantities (reported)
+        info_u = res._information_in(info_u, q_all)
+    cov_u = res._face_inverse(info_u)
+    allq = list(case.quantities(res.info.constrain_theta(theta)))
+    J = np.asarray(jax.jacfwd(q_all)(theta), np.float64)[[allq.index(k) for k in names]]
     var = np.diag(J @ cov_u @ J.T)
     return dict(zip(names, np.sqrt(np.where(var > 0, var, np.nan)).tolist(),
                     strict=True)), used
 
 
 def exact_se_at(case, params, names) -> dict:
-    """SEs of ``names`` from the exact observed information at ``params`` (float64)."""
-    import jax
-    import numpy as np
+    """SEs of ``names`` from the exact observed information at ``params`` (float64), in the
+    case's quantities (:func:`saem_cases.exact_se`)."""
     import saem_cases as sc
 
-    _, _, H = sc.loglik_grad_hess(case, params)
-    fns = sc._jitted(case.name)
-    with jax.enable_x64(True):
-        u, _ = sc._unconstrain(fns.cons, sc._theta64(case, params))
-        J = np.asarray(fns.jac_q(u))
-    cov = J @ np.linalg.inv(-H) @ J.T
-    allq = list(case.quantities(sc._theta64(case, params)))
-    return {k: float(np.sqrt(cov[allq.index(k), allq.index(k)])) for k in names}
+    return sc.exact_se(case, params, names)
 
 
 def run_case(name: str, seed: int, methods: list[str]) -> dict:
@@ -187,7 +184,7 @@ def main() -> None:
              "", "Written by `benchmarks/bench_saem_se.py`. Each default fit of a case of "
              "`tests/saem_cases.py` (seed 0, every "
              "case with an exact reference), then the SE of each variance / covariance "
-             "quantity of the case (delta method from the fit's unconstrained coordinates), "
+             "quantity of the case (the curvature in the case's quantities), "
              "divided by the SE from the exact observed information AT THE SAME ESTIMATE "
              "(float64 Hessian of the case's own closed-form or adaptive Gauss-Hermite "
              "marginal likelihood, written independently of the library); in parentheses, "

@@ -52,38 +52,9 @@ def _quantity_se(res, case, names, method="auto", **kw):
 
 
 def _exact_se(case, params, names, coords="quantities", sd=False):
-    """SEs of ``names`` from the exact observed information at ``params`` (float64): minus
-    the inverse Hessian of the exact log-likelihood in the case's quantities (variances,
-    covariances; ``coords="quantities"``, the reported coordinates), written here from the
-    chain rule :math:`H_u = J^T H_q J + \\sum_k g_{q,k} \\nabla^2_u q_k`; or the delta method
-    from the unconstrained coordinates (``coords="u"``: the same at a maximum, not at an
-    estimate with a gradient). ``sd=True``: every variance quantity ``k^2`` as its square
-    root ``k`` (the SD coordinates), names without ``^2``."""
-    _, g, H = sc.loglik_grad_hess(case, params)
-    kinds = case.kinds
-    fns = sc._jitted(case.name)
-    with jax.enable_x64(True):
-        u, _ = sc._unconstrain(fns.cons, sc._theta64(case, params))
-        J = np.asarray(fns.jac_q(u))
-
-        def q_u(uu):
-            qd = case.quantities(fns.constrain(uu))
-            return jnp.stack([jnp.sqrt(v) if sd and kinds[k] == "variance" and k.endswith("^2")
-                              else jnp.asarray(v, jnp.float64) for k, v in qd.items()])
-
-        J = np.asarray(jax.jacfwd(q_u)(u))
-        T = np.asarray(jax.hessian(q_u)(u))
-    if coords == "quantities":
-        assert J.shape[0] == J.shape[1], "the case's quantities are not one to one with u"
-        Jinv = np.linalg.inv(J)
-        g_q = Jinv.T @ g
-        H_q = Jinv.T @ (H - np.einsum("k,kij->ij", g_q, T)) @ Jinv
-        cov = np.linalg.inv(-(H_q + H_q.T) / 2)
-    else:
-        cov = J @ np.linalg.inv(-H) @ J.T
-    allq = [k[:-2] if sd and kinds[k] == "variance" and k.endswith("^2") else k
-            for k in case.quantities(sc._theta64(case, params))]
-    return {k: float(np.sqrt(cov[allq.index(k), allq.index(k)])) for k in names}
+    """SEs of ``names`` from the exact observed information at ``params`` (float64; see
+    :func:`saem_cases.exact_se`)."""
+    return sc.exact_se(case, params, names, coords=coords, sd=sd)
 
 
 def _variances(case):
