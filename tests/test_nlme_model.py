@@ -154,8 +154,10 @@ def test_tables_and_individual_estimates(phenobarb_fit):
     assert tab.loc["omega_CL^2", "cv_%"] == pytest.approx(100 * np.sqrt(np.expm1(om**2)))
     sd = fit.parameter_table(scale="sd")  # the model's own standard deviations
     assert sd.loc["omega_CL", "cv_%"] == pytest.approx(100 * np.sqrt(np.expm1(om**2)))
+    # RSE(omega^2) = 2 RSE(omega) at a maximum; each scale takes the curvature in its own
+    # coordinates at the stochastic estimate (the gradient term): 0.9% apart here
     assert tab.loc["omega_CL^2", "rse_%"] == pytest.approx(2 * sd.loc["omega_CL", "rse_%"],
-                                                           rel=1e-4)
+                                                           rel=0.05)
     assert np.all(np.isfinite(tab.loc[["mu_CL", "mu_V", "a", "omega_CL^2"], "se"]))
     assert tab.loc["mu_CL", "rse_%"] == pytest.approx(
         100 * tab.loc["mu_CL", "se"] / abs(tab.loc["mu_CL", "estimate"]))
