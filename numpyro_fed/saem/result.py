@@ -288,6 +288,16 @@ def run_off(info, theta_c: np.ndarray, theta0_c: np.ndarray, top: int = 2) -> li
             for j in order]
 
 
+def _draw_mean_and_se(d, T: int, C: int) -> tuple[float, float]:
+    """Mean of a per-draw quantity ``d`` (``T * C`` values: T draws of C chains) and its Monte
+    Carlo SE, from batch means over the draws (10 batches: the draws are autocorrelated)."""
+    d = np.asarray(d, np.float64).reshape(T, C).mean(1)
+    B = min(10, T)
+    bm = np.array([b.mean() for b in np.array_split(d, B)])
+    se = float(np.std(bm, ddof=1) / np.sqrt(B)) if B > 1 else float("nan")
+    return float(d.mean()), se
+
+
 def _matrix_diagonal(info, name: str) -> bool:
     """Whether the constrained coordinate ``name`` is a diagonal entry of a covariance or
     Cholesky matrix parameter (its boundary 0: the matrix singular, not one random effect
@@ -1512,11 +1522,7 @@ class SAEMResult:
         d = self._program(("boundary_slope", name), build)(
             jnp.asarray(self.theta), jnp.asarray(zs.reshape(T * C, -1)),
             jnp.asarray(signs, zs.dtype))
-        d = np.asarray(d, np.float64).reshape(T, C).mean(1)
-        B = min(10, T)
-        bm = np.array([b.mean() for b in np.array_split(d, B)])
-        se = float(np.std(bm, ddof=1) / np.sqrt(B)) if B > 1 else float("nan")
-        return float(d.mean()), se
+        return _draw_mean_and_se(d, T, C)
 
     def _mvn_covariance(self, site: str):
         """``(rule, param names, covariance (q, q) float64)`` of the full random-effect
@@ -1601,11 +1607,8 @@ class SAEMResult:
         d = self._program(("face_slope", site), build)(
             jnp.asarray(self.theta), jnp.asarray(zs.reshape(T * C, -1)),
             jnp.asarray(signs, dt), jnp.asarray(v, dt), jnp.asarray(c, dt))
-        d = np.asarray(d, np.float64).reshape(T, C).mean(1)
-        B = min(10, T)
-        bm = np.array([b.mean() for b in np.array_split(d, B)])
-        se = float(np.std(bm, ddof=1) / np.sqrt(B)) if B > 1 else float("nan")
-        return {"slope": float(d.mean()), "se": se,
+        slope, se = _draw_mean_and_se(d, T, C)
+        return {"slope": slope, "se": se,
                 "min_corr_eigenvalue": float(np.linalg.eigvalsh(corr)[0]),
                 "direction": v, "correlation": corr}
 
