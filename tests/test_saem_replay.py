@@ -341,3 +341,35 @@ def test_an_object_argument_is_seen_through_the_model(replay):
     same, hits = _replayed(lambda: fit(Link(1.0), seed=1))  # a new object, the same model
     assert hits >= 3
     _same(same, _fresh(lambda: fit(Link(1.0), seed=1)))
+
+
+def test_no_fit_imports_a_library_module():
+    """The constants of the library's modules are part of a run's key
+    (``memo._library_constants``): a module that a fit imports on its way changes the key of
+    the next fit, which is then traced again instead of replayed (the second fit of a
+    time-varying covariate model on ``nlme::Quinidine``: 39 s traced, the first fit having
+    imported ``nlme.timevarying``). Every ``numpyro_fed`` module imported inside a function
+    of the SAEM and NLME layers is imported with them, but the ODE layer, which the user
+    imports (``nlme.ode_model``) before any fit of an ODE model."""
+    import ast
+    import pathlib
+    import sys
+
+    import numpyro_fed.nlme
+    import numpyro_fed.saem  # noqa: F401
+
+    root = pathlib.Path(numpyro_fed.__file__).parent
+    lazy = set()
+    for sub in ("saem", "nlme"):
+        for path in sorted((root / sub).glob("*.py")):
+            for fn in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                            "numpyro_fed"):
+                        lazy.add((node.module, path.name, fn.name))
+    assert ("numpyro_fed.nlme.ode", "__init__.py", "__getattr__") in lazy  # the scan works
+    missing = sorted(x for x in lazy
+                     if x[0] not in sys.modules and x[0] != "numpyro_fed.nlme.ode")
+    assert not missing, f"imported by a fit, not with the package: {missing}"

@@ -66,6 +66,12 @@ from numpyro_fed.nlme.superposition import (
     superposition_pairs,
     supports_superposition,
 )
+
+# imported with the layer, not at the first fit that needs it: the constants of the
+# library's modules are part of a run's replay key (numpyro_fed.saem.memo), and a module
+# that a fit imports changed the key of the next fit (a repeated time-varying fit was traced
+# again, 39 s, instead of replayed)
+from numpyro_fed.nlme.timevarying import predict_piecewise
 from numpyro_fed.nlme.transforms import TRANSFORMS
 from numpyro_fed.saem import SAEM
 
@@ -853,8 +859,6 @@ class PKModel:
         of the data of ``binding``, if these are its times, are predicted 0)."""
         b = self._default_binding(doses_before) if binding is None else binding
         if b.piecewise:
-            from numpyro_fed.nlme.timevarying import predict_piecewise
-
             if at_records is None:
                 why = (f"the covariates {list(b.time_varying)} vary with time" if
                        b.time_varying else f"the parameters {list(self.iov)} vary between "
