@@ -511,22 +511,31 @@ class Pending:
 
 
 # ------------------------------------------------------------------------ replayed runs
-#: the programs of recent runs, by run key (:func:`replay_scope`): the ordered
-#: ``((signature, program key), ...)`` of every program the run prepared
+#: the programs of recent runs, by run key (:func:`replay_scope`): the paths recorded under
+#: the key, newest first, each the ordered ``((signature, program key), ...)`` of every
+#: program one run prepared
 _REPLAYS: OrderedDict[tuple, tuple] = OrderedDict()
-#: most runs remembered (least recently used first out)
+#: most run keys remembered (least recently used first out)
 MAX_REPLAYS = 64
+#: most paths remembered per run key. Runs under one key can prepare different programs
+#: where the numbers decide (a convergence check that examines a variance ending near 0 on
+#: one seed and not on another): with one path remembered, two seeds taking turns each
+#: traced again what the other had replaced (Theophylline, 5 rounds of 2 seeds: 2 of 5
+#: repeated fits 0.4-0.6 s longer)
+REPLAY_PATHS = 4
 _SCOPE: contextvars.ContextVar = contextvars.ContextVar("numpyro_fed_replay", default=None)
 
 
 class ReplayScope:
     """The programs one run prepares, in order, under a key that determines them
     (:func:`replay_scope`). A later run under the same key takes the program of its n-th
-    :func:`prepare_program` call from the n-th program of the recorded run, without tracing
-    it, as long as every call so far had the signature recorded for it (the function's code
-    and that of the functions it closes over, the arguments' structure, types and
-    placement, the compiler options); from the first difference on it traces, as every
-    call does without a scope. A run that raises is not recorded."""
+    :func:`prepare_program` call from the n-th program of a recorded run, without tracing
+    it, as long as every call so far had the signature recorded for it in that run (the
+    function's code and that of the functions it closes over, the arguments' structure,
+    types and placement, the compiler options); from the first call that no recorded run
+    with the same calls so far had (or that two of them ran with different programs) it
+    traces, as every call does without a scope. Up to :data:`REPLAY_PATHS` runs are
+    remembered per key. A run that raises is not recorded."""
 
     __slots__ = ("key", "recorded", "pos", "replaying", "seen", "active", "suspended")
 
@@ -567,18 +576,22 @@ class ReplayScope:
     @property
     def replays(self) -> bool:
         """Whether this run follows a recorded one so far."""
-        return self.active and self.replaying and self.recorded is not None
+        return self.active and self.replaying and bool(self.recorded)
 
     def next_key(self, sig: tuple) -> tuple | None:
-        """The program key the recorded run had at this call, if it had this signature."""
+        """The program key the recorded runs that made the same calls so far had at this
+        call, if they had this signature and agree on its program."""
         if not self.replays:
             return None
-        if self.pos >= len(self.recorded) or self.recorded[self.pos][0] != sig:
+        pos = self.pos
+        paths = tuple(p for p in self.recorded if pos < len(p) and p[pos][0] == sig)
+        keys = {p[pos][1] for p in paths}
+        if len(keys) != 1:
             self.replaying = False
             return None
-        key = self.recorded[self.pos][1]
+        self.recorded = paths  # those still followed: the same calls, the same programs
         self.pos += 1
-        return key
+        return next(iter(keys))
 
     def note(self, sig: tuple, key: tuple | None) -> None:
         self.seen.append((sig, key))
@@ -588,7 +601,8 @@ class ReplayScope:
             return
         seen = tuple(self.seen)
         with _LOCK:
-            _REPLAYS[self.key] = seen
+            old = tuple(p for p in _REPLAYS.get(self.key, ()) if p != seen)
+            _REPLAYS[self.key] = ((seen,) + old)[:REPLAY_PATHS]
             _REPLAYS.move_to_end(self.key)
             while len(_REPLAYS) > MAX_REPLAYS:
                 _REPLAYS.popitem(last=False)

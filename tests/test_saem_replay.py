@@ -373,3 +373,45 @@ def test_no_fit_imports_a_library_module():
     missing = sorted(x for x in lazy
                      if x[0] not in sys.modules and x[0] != "numpyro_fed.nlme.ode")
     assert not missing, f"imported by a fit, not with the package: {missing}"
+
+
+def test_runs_under_one_key_that_take_different_paths_are_all_replayed(monkeypatch):
+    """Runs under one key may prepare different programs where their numbers decide (a
+    convergence check that examines a variance near 0 on one seed only). Each path is
+    remembered (up to REPLAY_PATHS): a run takes a recorded program only while every call so
+    far matched one recorded run's, and seeds taking turns no longer trace again what the
+    other replaced (with one path remembered, the third run below traced its second
+    program)."""
+    monkeypatch.setattr(_programs, "VERIFY_TRACE_KEYS", False)
+    x = jnp.arange(3.0)
+
+    def first(v):
+        return v + 1.0
+
+    def second_a(v):
+        return v * 2.0
+
+    def second_b(v):
+        return v - 3.0
+
+    def run(branch):
+        before = _programs.stats()["replay_hits"]
+        with _programs.replay_scope(("two paths", id(run))) as scope:
+            scope.activate()
+            out = [np.asarray(_programs.compile_program(first, (x,))(x))]
+            second = second_a if branch == "a" else second_b
+            out.append(np.asarray(_programs.compile_program(second, (x,))(x)))
+        return out, _programs.stats()["replay_hits"] - before
+
+    ref_a, n = run("a")
+    assert n == 0  # recorded
+    ref_b, n = run("b")
+    assert n == 1  # the first program replayed, the other path traced (and recorded)
+    out, n = run("a")
+    assert n == 2  # both of path a's programs replayed
+    for o, r in zip(out, ref_a, strict=True):
+        np.testing.assert_array_equal(o, r)
+    out, n = run("b")
+    assert n == 2
+    np.testing.assert_array_equal(out[1], ref_b[1])
+    np.testing.assert_array_equal(out[1], np.asarray(x) - 3.0)  # not path a's program
