@@ -337,6 +337,20 @@ def _padded_xs(xs, pad: int, dt) -> tuple:
             np.concatenate([xs[5], np.zeros(pad, np.int32)]))
 
 
+def _on_worker(fn: Callable, name: str):
+    """``(pool, future)``: ``fn()`` started on a worker thread (to compile or run a program:
+    XLA releases the GIL) with this thread's ``jax_enable_x64``; shut the pool down after
+    taking the result."""
+    x64 = bool(jax.config.jax_enable_x64)
+
+    def run():
+        with jax.enable_x64(x64):  # the worker's configuration is the caller's
+            return fn()
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+    return pool, pool.submit(run)
+
+
 def _types(*trees) -> tuple:
     """The structure and the (shape, dtype, weak type) of every leaf of ``trees`` (arrays or
     :class:`jax.ShapeDtypeStruct`): what a program is traced on."""
@@ -841,10 +855,9 @@ class SAEM:
 
             def call(c, x):
                 if not compiled:
-                    compiled.append(chunk.compiled(c, x, *inputs) if chunk_prep is None else
-                                    chunk_prep.finish()
-                                    if isinstance(chunk_prep, _programs.Pending)
-                                    else chunk_prep)
+                    prep = chunk.prepare(c, x, *inputs) if chunk_prep is None else chunk_prep
+                    compiled.append(prep.finish() if isinstance(prep, _programs.Pending)
+                                    else prep)
                 return compiled[0](c, x, *inputs)
             nc = max(1, min(int(num_chunks), total)) if progress_bar else 1
             L = -(-total // nc)
@@ -927,14 +940,8 @@ class SAEM:
             prep = chunk.prepare(carry, xs, *inputs)
         pool = fut = None
         if isinstance(prep, _programs.Pending):
-            x64 = bool(jax.config.jax_enable_x64)
-
-            def start():
-                with jax.enable_x64(x64):  # this thread's configuration is the caller's
-                    return prep.finish()(carry, xs, *inputs)
-
-            pool = ThreadPoolExecutor(1, thread_name_prefix="numpyro_fed-compile")
-            fut = pool.submit(start)
+            pool, fut = _on_worker(lambda: prep.finish()(carry, xs, *inputs),
+                                   "numpyro_fed-compile")
             loop: list = []
 
             def busy():
@@ -976,14 +983,7 @@ class SAEM:
         iprep = init.prepare(*init_args)
         pool = fut = None
         if isinstance(iprep, _programs.Pending):
-            x64 = bool(jax.config.jax_enable_x64)
-
-            def finish():
-                with jax.enable_x64(x64):  # this thread's configuration is the caller's
-                    return iprep.finish()
-
-            pool = ThreadPoolExecutor(1, thread_name_prefix="numpyro_fed-init")
-            fut = pool.submit(finish)
+            pool, fut = _on_worker(iprep.finish, "numpyro_fed-init")
             out_info = iprep.lowered.out_info
         else:
             out_info = iprep.compiled.out_info
