@@ -37,6 +37,7 @@ import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -48,12 +49,12 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 REFERENCE = ROOT / "tests" / "data" / "quinidine_exact.json"
-#: the parameters of the model, in the order of the optimiser's vector
-NAMES = ("mu_CL", "mu_V", "mu_KA", "omega_CL", "omega_V", "a")
-_POSITIVE = ("omega_CL", "omega_V", "a")
 #: the SAEM schedule of the smoke run (iterations, of which exploration)
 SMOKE_SCHEDULE = (80, 50)
+#: Gauss--Hermite nodes per axis of the reference with two random effects (per patient)
 NUM_NODES = 15
+#: ... and with three (``KA`` random: 11^3 nodes per patient)
+NUM_NODES_3 = 11
 
 
 # ============================================================================ the reference
@@ -128,57 +129,112 @@ def predict(rec, cl, v, ka):
     return conc.T
 
 
-def _case(rec):
-    """A duck-typed case for ``saem_cases``' quadrature: ``b`` ``(n, 2)`` = ``(eta_CL,
-    eta_V)``."""
+class Variant(NamedTuple):
+    """A model of the reference: the residual error (``"additive"`` ``a``,
+    ``"proportional"`` ``b|f|``, ``"combined2"`` ``sqrt(a^2 + b^2 f^2)``, as
+    :mod:`numpyro_fed.nlme.error` writes them) and whether ``KA`` has a random effect."""
+
+    error: str = "additive"
+    ka_random: bool = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The parameters, in the order of the optimiser's vector."""
+        err = {"additive": ("a",), "proportional": ("b",), "combined2": ("a", "b")}
+        return (("mu_CL", "mu_V", "mu_KA", "omega_CL", "omega_V")
+                + (("omega_KA",) if self.ka_random else ()) + err[self.error])
+
+    @property
+    def positive(self) -> tuple[str, ...]:
+        return tuple(k for k in self.names if k.startswith("omega") or k in ("a", "b"))
+
+    @property
+    def n_re(self) -> int:
+        return 3 if self.ka_random else 2
+
+    def sd(self, th: dict, f):
+        """The residual standard deviation at the predictions ``f``."""
+        if self.error == "additive":
+            return th["a"] * jnp.ones_like(f)
+        if self.error == "proportional":
+            return th["b"] * jnp.abs(f)
+        return jnp.sqrt(th["a"] ** 2 + th["b"] ** 2 * f**2)
+
+    def model(self):
+        """The model fitted by :class:`numpyro_fed.nlme.PKModel` (SAEM's defaults)."""
+        from numpyro_fed import nlme
+
+        return nlme.PKModel(nlme.one_compartment(),
+                            params={"CL": nlme.Param(10.0), "V": nlme.Param(200.0),
+                                    "KA": nlme.Param(1.0, random=self.ka_random)},
+                            error=self.error)
+
+
+#: the model of the example (and of the issue-29 benchmark)
+BASE = Variant()
+
+
+def _case(rec, variant: Variant = BASE):
+    """A duck-typed case for ``saem_cases``' quadrature: ``b`` ``(n, n_re)`` = ``(eta_CL,
+    eta_V[, eta_KA])``."""
     from jax.scipy.stats import norm
 
     n = rec.kind.shape[0]
     obs = jnp.asarray(rec.kind == 0)
     y = jnp.asarray(rec.y)
+    res = ("CL", "V", "KA")[:variant.n_re]
 
     def log_joint(th, b):
         cl = jnp.exp(th["mu_CL"] + b[:, 0])
         v = jnp.exp(th["mu_V"] + b[:, 1])
-        f = predict(rec, cl, v, jnp.exp(th["mu_KA"]))
-        ll = jnp.sum(jnp.where(obs, norm.logpdf(y, f, th["a"]), 0.0), -1)
-        return ll + norm.logpdf(b[:, 0], 0.0, th["omega_CL"]) + norm.logpdf(
-            b[:, 1], 0.0, th["omega_V"])
+        ka = jnp.exp(th["mu_KA"] + (b[:, 2] if variant.ka_random else 0.0))
+        f = predict(rec, cl, v, ka)
+        sd = jnp.where(obs, variant.sd(th, f), 1.0)
+        ll = jnp.sum(jnp.where(obs, norm.logpdf(y, f, sd), 0.0), -1)
+        return ll + sum(norm.logpdf(b[:, i], 0.0, th[f"omega_{r}"])
+                        for i, r in enumerate(res))
 
-    return SimpleNamespace(n_subjects=n, n_re=2, log_joint=log_joint,
-                           re_init=lambda th: jnp.zeros((n, 2)))
-
-
-def _theta_of(u):
-    return {k: (jnp.exp(u[i]) if k in _POSITIVE else u[i]) for i, k in enumerate(NAMES)}
+    return SimpleNamespace(n_subjects=n, n_re=variant.n_re, log_joint=log_joint,
+                           re_init=lambda th: jnp.zeros((n, variant.n_re)))
 
 
 class ExactLikelihood:
-    """The exact -2LL of the model on the first ``num_subjects`` patients (all: None), by
-    adaptive Gauss--Hermite quadrature (``num_nodes`` per axis), float64."""
+    """The exact -2LL of a :class:`Variant` on the first ``num_subjects`` patients (all:
+    None), by adaptive Gauss--Hermite quadrature (``num_nodes`` per axis; default
+    :data:`NUM_NODES` with two random effects, :data:`NUM_NODES_3` with three), float64."""
 
-    def __init__(self, num_subjects: int | None = None, num_nodes: int = NUM_NODES):
+    def __init__(self, num_subjects: int | None = None, num_nodes: int | None = None,
+                 variant: Variant = BASE):
         import saem_cases as sc
 
+        self.variant = variant
+        if num_nodes is None:
+            num_nodes = NUM_NODES if variant.n_re == 2 else NUM_NODES_3
         self.sc, self.rec = sc, quinidine_records(num_subjects)
         with jax.enable_x64(True):
-            self.case = _case(self.rec)
-            self.nodes, self.logw = (jnp.asarray(x) for x in sc._gh_rule(2, num_nodes))
+            self.case = _case(self.rec, variant)
+            self.nodes, self.logw = (jnp.asarray(x)
+                                     for x in sc._gh_rule(variant.n_re, num_nodes))
             self._frame = jax.jit(lambda th: sc._laplace_frame(self.case, th))
             self._m2ll = jax.jit(lambda u, mode, Lc: -2 * jnp.sum(sc._quad(
-                self.case, _theta_of(u), mode, Lc, self.nodes, self.logw)))
+                self.case, self._theta_of(u), mode, Lc, self.nodes, self.logw)))
             self._vg = jax.jit(jax.value_and_grad(self._m2ll))
 
-    @staticmethod
-    def _u(params: dict) -> np.ndarray:
-        return np.asarray([math.log(float(params[k])) if k in _POSITIVE else
-                           float(params[k]) for k in NAMES])
+    def _theta_of(self, u) -> dict:
+        pos = self.variant.positive
+        return {k: (jnp.exp(u[i]) if k in pos else u[i])
+                for i, k in enumerate(self.variant.names)}
+
+    def _u(self, params: dict) -> np.ndarray:
+        pos = self.variant.positive
+        return np.asarray([math.log(float(params[k])) if k in pos else float(params[k])
+                           for k in self.variant.names])
 
     def m2ll(self, params: dict) -> float:
-        """Exact -2LL at ``params`` (``mu_CL, mu_V, mu_KA, omega_CL, omega_V, a``)."""
+        """Exact -2LL at ``params`` (the variant's ``names``)."""
         with jax.enable_x64(True):
             u = jnp.asarray(self._u(params))
-            return float(self._m2ll(u, *self._frame(_theta_of(u))))
+            return float(self._m2ll(u, *self._frame(self._theta_of(u))))
 
     def maximise(self, start: dict) -> dict:
         """L-BFGS-B from ``start`` (the quadrature frame at the current point)."""
@@ -187,12 +243,12 @@ class ExactLikelihood:
         with jax.enable_x64(True):
             def fun(u):
                 u = jnp.asarray(u)
-                val, g = self._vg(u, *self._frame(_theta_of(u)))
+                val, g = self._vg(u, *self._frame(self._theta_of(u)))
                 return float(val), np.asarray(g, np.float64)
 
             res = minimize(fun, self._u(start), jac=True, method="L-BFGS-B",
                            options={"maxiter": 1000, "gtol": 1e-6, "ftol": 1e-14})
-            est = {k: float(v) for k, v in _theta_of(jnp.asarray(res.x)).items()}
+            est = {k: float(v) for k, v in self._theta_of(jnp.asarray(res.x)).items()}
         return {**est, "m2ll": float(res.fun), "converged": bool(res.success)}
 
 
@@ -203,10 +259,15 @@ STARTS = ({"mu_CL": math.log(10.0), "mu_V": math.log(200.0), "mu_KA": 0.0, "omeg
            "a": 0.5})
 
 
-def exact_maximum(num_subjects: int | None = None) -> dict:
-    """The exact MLE from the two :data:`STARTS` (they must agree within 1e-3 on -2LL)."""
-    lik = ExactLikelihood(num_subjects)
-    runs = [lik.maximise(s) for s in STARTS]
+def exact_maximum(num_subjects: int | None = None, variant: Variant = BASE,
+                  starts: tuple[dict, ...] | None = None) -> dict:
+    """The exact MLE from two starts (default: :data:`STARTS`, completed with ``b = 0.2``,
+    ``omega_KA = 0.3`` where the variant has them); they must agree within 1e-3 on -2LL."""
+    if starts is None:
+        extra = {"b": 0.2, "omega_KA": 0.3}
+        starts = tuple({k: {**s, **extra}[k] for k in variant.names} for s in STARTS)
+    lik = ExactLikelihood(num_subjects, variant=variant)
+    runs = [lik.maximise(s) for s in starts]
     best = min(runs, key=lambda r: r["m2ll"])
     if max(r["m2ll"] for r in runs) - best["m2ll"] > 1e-3:
         raise RuntimeError(f"the two starts disagree: {runs}")
@@ -225,12 +286,12 @@ def write_reference() -> dict:
 
 # ============================================================================ the fit
 def model():
-    from numpyro_fed import nlme
+    """The example's model (:data:`BASE`)."""
+    return BASE.model()
 
-    return nlme.PKModel(nlme.one_compartment(),
-                        params={"CL": nlme.Param(10.0), "V": nlme.Param(200.0),
-                                "KA": nlme.Param(1.0, random=False)},
-                        error="additive")
+
+#: the parameters of the example's model, in the order of the optimiser's vector
+NAMES = BASE.names
 
 
 def main(argv: list[str] | None = None) -> dict:

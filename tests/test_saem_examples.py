@@ -177,29 +177,34 @@ def test_example_smoke(name, tmp_path):
 
 
 # ----------------------------------------------------------------------------- multiple doses
-def test_nlme_multidose_reference_is_the_model(x64):
+@pytest.mark.parametrize("error,ka_random", [("additive", False), ("proportional", False),
+                                              ("combined2", False), ("additive", True)])
+def test_nlme_multidose_reference_is_the_model(x64, error, ka_random):
     """The exact reference of examples/nlme_multidose.py (written without numpyro_fed: the
-    amounts advanced by hand record by record, steady-state resets) has the log joint density
-    of the model the example fits, on all 136 Quinidine patients at random latents (float64:
-    1e-9 relative)."""
+    amounts advanced by hand record by record, steady-state resets), for the example's model
+    and the variants of benchmarks/nlme_multidose_variants.py (other residual errors, a
+    random effect on KA), has the log joint density of the model fitted, on all 136
+    Quinidine patients at random latents (float64: 1e-9 relative)."""
     import jax.numpy as jnp
     from numpyro.infer.util import log_density
 
     from numpyro_fed import nlme
 
     ex = _example("nlme_multidose")
+    var = ex.Variant(error, ka_random)
     rec = ex.quinidine_records(y32=False)
     data = nlme.load_quinidine(dtype=np.float64)
     where = {v: i for i, v in enumerate(data.ids.tolist())}
     data = data.subjects([where[i] for i in rec.ids])  # the reference's order
-    pk = ex.model()
-    case = ex._case(rec)
+    pk = var.model()
+    case = ex._case(rec, var)
     th = {"mu_CL": 2.5, "mu_V": 5.4, "mu_KA": -0.3, "omega_CL": 0.33, "omega_V": 0.25,
-          "a": 0.74}
-    b = np.random.default_rng(0).normal(size=(len(rec.ids), 2)) * 0.4
+          "omega_KA": 0.2, "a": 0.74, "b": 0.12}
+    th = {k: th[k] for k in var.names}
+    b = np.random.default_rng(0).normal(size=(len(rec.ids), var.n_re)) * 0.4
     vals = {**{k: jnp.asarray(v) for k, v in th.items()},
-            "phi_CL": jnp.asarray(th["mu_CL"] + b[:, 0]),
-            "phi_V": jnp.asarray(th["mu_V"] + b[:, 1])}
+            **{f"phi_{r}": jnp.asarray(th[f"mu_{r}"] + b[:, i])
+               for i, r in enumerate(("CL", "V", "KA")[:var.n_re])}}
     lp, _ = log_density(pk.model, (), pk.arrays(data), vals)
     want = float(jnp.sum(case.log_joint({k: jnp.asarray(v) for k, v in th.items()},
                                         jnp.asarray(b))))
