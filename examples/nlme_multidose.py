@@ -236,6 +236,33 @@ class ExactLikelihood:
             u = jnp.asarray(self._u(params))
             return float(self._m2ll(u, *self._frame(self._theta_of(u))))
 
+    def standard_errors(self, params: dict) -> dict:
+        """Standard errors from the exact observed information at ``params`` in the
+        coordinates ``parameter_table()`` reports -- ``omega_X^2`` for the random-effect
+        variances, the others as written -- and taken in those coordinates, as
+        ``parameter_table()`` takes it (away from a maximum the gradient is not 0, and the
+        curvature depends on the coordinates): the inverse Hessian of the exact -2LL / 2 in
+        them, the quadrature frame held at ``params``."""
+        names = self.variant.names
+        omega = np.array([k.startswith("omega") for k in names])
+        pos = np.array([k in self.variant.positive for k in names])
+        r0 = np.array([float(params[k]) ** 2 if o else float(params[k])
+                       for k, o in zip(names, omega, strict=True)])
+        with jax.enable_x64(True):
+            u0 = jnp.asarray(self._u(params))
+            frame = self._frame(self._theta_of(u0))
+
+            def m2ll_r(r):  # reported coordinates -> the optimiser's (log) coordinates
+                u = jnp.where(omega, 0.5 * jnp.log(jnp.abs(r)),
+                              jnp.where(pos, jnp.log(jnp.abs(r)), r))
+                return self._m2ll(u, *frame)
+
+            H = np.asarray(jax.hessian(m2ll_r)(jnp.asarray(r0)))
+        with np.errstate(invalid="ignore"):
+            se = np.sqrt(np.diag(np.linalg.inv(H / 2)))
+        return {(f"{k}^2" if o else k): float(v) for k, o, v in zip(names, omega, se,
+                                                                    strict=True)}
+
     def maximise(self, start: dict) -> dict:
         """L-BFGS-B from ``start`` (the quadrature frame at the current point)."""
         from scipy.optimize import minimize
