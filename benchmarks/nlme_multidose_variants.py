@@ -55,10 +55,9 @@ REFERENCE_NOTE = (
     "989.3323 / 989.3317 with 9 / 11 / 13); the gradient of the proportional maximum (its "
     "L-BFGS-B stopped on the line search) is below 5e-3 in every unconstrained coordinate. "
     "combined2's maximum has a = 0.040 inside its support, 0.024 below the best -2LL with "
-    "a = 0 (the proportional model's): the data hardly tell a from 0 where b|f| is 0.3-1.3, "
-    "and SAEM's fits stop at the boundary and say so (a boundary-fit warning), 0.03-0.16 "
-    "above the maximum. ka_random's maximum has omega_KA at 1e-4 (the likelihood flat "
-    "along it); SAEM ends anywhere from 0.25 to 0.67 on it, 0.02-0.26 above the maximum.")
+    "a = 0 (the proportional model's): the data hardly tell a from 0 where b|f| is 0.3-1.3. "
+    "ka_random's maximum has omega_KA at 1e-4: the likelihood is nearly flat along it, and "
+    "a fit that ends with omega_KA far from 0 is a few tenths above the maximum.")
 
 
 def variants() -> dict:
