@@ -2,6 +2,7 @@
 helpers), of annealed importance sampling, and smoke runs of the SAEM examples."""
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -220,3 +221,26 @@ def test_nlme_multidose_smoke(tmp_path):
     out = ex.main(["--smoke", "--out", str(tmp_path)])
     assert (tmp_path / "nlme_multidose_smoke.md").exists()
     assert -1e-3 < out["gap"] < 0.5, out["gap"]
+
+
+@pytest.mark.slow
+def test_nlme_multidose_flat_variance_is_within_target_or_warned():
+    """Quinidine with a random effect on KA (benchmarks/nlme_multidose_variants.py): the
+    exact maximum has omega_KA at 1e-4 with the likelihood nearly flat along it, and the
+    default fits end with omega_KA at 0.25-0.87, 0.02-0.60 above the maximum (seeds 0-3).
+    Seed 3 is the one beyond the 0.5 target (+0.604, omega_KA 0.87): such a fit must never be
+    silent -- within the target, or with a convergence message (it says omega_KA still
+    drifts). The exact -2LL is the example's reference (11^3 Gauss-Hermite nodes per patient,
+    0.002 of quadrature error)."""
+    from numpyro_fed import nlme
+
+    ex = _example("nlme_multidose")
+    var = ex.Variant("additive", ka_random=True)
+    ref = json.loads((Path(__file__).parent / "data" / "quinidine_variants_exact.json")
+                     .read_text())
+    fit = var.model().fit(nlme.load_quinidine(), jax.random.key(3))
+    gap = ex.ExactLikelihood(variant=var).m2ll(
+        {k: float(fit.params[k]) for k in var.names}) - ref["ka_random"]["mle"]["m2ll"]
+    assert gap > -1e-3, gap  # nothing beats the maximum (the reference's tolerance)
+    msgs = fit.result.convergence_messages
+    assert gap <= 0.5 or any("omega_KA" in m for m in msgs), (gap, msgs)
