@@ -149,14 +149,15 @@ def main(argv: list[str] | None = None) -> str:
     import nlme_multidose as ex
     from _common import device_name, md_table, write_result
 
-    names = a.names or list(variants())
+    models = variants()
+    names = a.names or list(models)
     if a.write_reference:
         write_reference(names)
     ref = json.loads(REFERENCE.read_text())
     ref["base"] = {"mle": json.loads(ex.REFERENCE.read_text())["all"]}
     rows, misses, notes = [], [], []
     for name in names:
-        var = variants()[name]
+        var = models[name]
         rec = _run_child(name, a.seeds)
         lik = ex.ExactLikelihood(variant=var)
         mle = ref[name]["mle"]
