@@ -580,31 +580,24 @@ def _check_no_additional_doses(tab: _Table) -> None:
 MAX_ADDITIONAL_DOSES = 10_000_000
 
 
-def _expand_additional_doses(df: pd.DataFrame, given: dict[str, Hashable | None]
-                             ) -> tuple[pd.DataFrame, list[str]]:
-    """NONMEM's additional doses written out, one row per dose (as ``mrgsolve::realize_addl``
-    and ``nlmixr2``'s readers do): a dose row with ``ADDL = n`` and ``II > 0`` stands for
-    itself and ``n`` more doses at ``TIME + k II`` (``k = 1..n``), each like it (``AMT``,
-    ``RATE``, ``CMT``) but not at steady state (NONMEM: the doses that continue a
-    steady-state pattern are ordinary doses). Each added row goes into the subject's record
-    order by time, before the rows recorded at the same time (an observation at that time
-    follows the dose, NONMEM's and mrgsolve's order; noted), and takes the covariates in
-    force there (those of the subject's previous row, last value carried forward); its
-    index label is that of the dose row it comes from, so that messages and
-    :attr:`PKDataset.dose_rows` name that row. Returns the table (``df`` itself when no row
-    has additional doses) and the notes."""
+def _check_additional_doses(df: pd.DataFrame, given: dict[str, Hashable | None]
+                            ) -> tuple[_Table, np.ndarray, _Kinds, _Dosing, np.ndarray] | None:
+    """``ADDL`` (``None`` when absent or 0 everywhere): an integer >= 0, 0 on rows that are
+    no dose, only with ``II > 0``, never continuing a steady-state infusion (NONMEM's rule),
+    at most :data:`MAX_ADDITIONAL_DOSES` in all; the rows checked as the table's own checks
+    would (their faults reported first). Returns the table, times, kinds, dose items and
+    the number of additional doses of each row."""
     name = given.get("addl")
     if name is None or name not in df.columns:
-        return df, []
+        return None
     ad = np.nan_to_num(_to_numeric(df, name, "addl", df.index.to_numpy(), None), nan=0.0)
     if not np.any(ad != 0):
-        return df, []
+        return None
     tab = _read_ids(df, _map_columns(df, given), given)
     t = _check_times(tab)
     kinds = _row_kinds(tab)
     _check_time_order(tab, t)
     dosing = _check_doses(tab, kinds)
-    where = tab.where
     checks = (
         (~_is_integer(ad) | (ad < 0),
          lambda i: f"is {ad[i]:g}: ADDL is the number of doses after this one, an integer "
@@ -624,53 +617,77 @@ def _expand_additional_doses(df: pd.DataFrame, given: dict[str, Hashable | None]
     for bad, text in checks:
         bad = np.flatnonzero(bad)
         if bad.size:
-            raise ValueError(f"column {name!r} (addl=) at {where(bad[0])} {text(bad[0])}.")
+            raise ValueError(f"column {name!r} (addl=) at {tab.where(bad[0])} {text(bad[0])}.")
     n_add = ad.astype(np.int64)
-    total = int(n_add.sum())
-    if total > MAX_ADDITIONAL_DOSES:
+    if int(n_add.sum()) > MAX_ADDITIONAL_DOSES:
         i = int(np.argmax(n_add))
         raise ValueError(
-            f"column {name!r} (addl=) asks for {total:,} additional doses (the most, "
-            f"{n_add[i]:,}, at {where(i)}), more than {MAX_ADDITIONAL_DOSES:,}: each becomes "
-            "a row of the dose arrays. Check the column (ADDL counts doses, not hours)."
+            f"column {name!r} (addl=) asks for {int(n_add.sum()):,} additional doses (the "
+            f"most, {n_add[i]:,}, at {tab.where(i)}), more than {MAX_ADDITIONAL_DOSES:,}: each "
+            "becomes a row of the dose arrays. Check the column (ADDL counts doses, not hours)."
         )
-    src = np.repeat(np.arange(tab.n_rows), n_add)
-    k = np.arange(total) - np.repeat(np.cumsum(n_add) - n_add, n_add) + 1
-    t_add = t[src] + k * dosing.ii[src]
-    # each added dose goes before the first row of its subject recorded at or after its
-    # time; it takes the covariates of the row before that one (its subject's rows are in
-    # record order with non-decreasing times, the dose row it repeats among them)
+    return tab, t, kinds, dosing, n_add
+
+
+def _additional_dose_order(tab: _Table, t: np.ndarray, src: np.ndarray, t_add: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray]:
+    """Where the additional doses (of rows ``src``, at times ``t_add``) go: each before the
+    first row of its subject recorded at or after its time (after the subject's last row if
+    none), taking the covariates of the subject's row before that place (the rows of a
+    subject are in record order with non-decreasing times, the dose row it repeats among
+    them). Returns the order of ``[table rows, added rows]`` and the row whose covariates
+    each added row takes."""
+    total = src.size
     order = np.argsort(tab.code, kind="stable")  # rows by subject, in record order
     starts = np.searchsorted(tab.code[order], np.arange(tab.n_sub))
     ends = np.append(starts[1:], tab.n_rows)
     c_add = tab.code[src]
-    before = np.full(total, -1, np.int64)  # the row an added dose goes before (-1: none)
-    prev = np.empty(total, np.int64)  # the row whose covariates it takes
-    last = np.empty(total, np.int64)  # its subject's last row
+    anchor = np.empty(total, np.int64)  # the row it goes before, or the subject's last row
+    slot = np.zeros(total, np.int64)  # 0: before its anchor, 2: after it
+    prev = np.empty(total, np.int64)
     for c in np.unique(c_add):
         sel = np.flatnonzero(c_add == c)
         rows = order[starts[c]:ends[c]]
         j = np.searchsorted(t[rows], t_add[sel], side="left")  # >= 1: after the dose row
-        before[sel] = np.where(j < rows.size, rows[np.minimum(j, rows.size - 1)], -1)
+        anchor[sel] = rows[np.minimum(j, rows.size - 1)]
+        slot[sel] = np.where(j < rows.size, 0, 2)
         prev[sel] = rows[j - 1]
-        last[sel] = rows[-1]
-    # the merged order: a table row p sorts at (p, 1); an added dose before row q at
-    # (q, 0, its time, its source row); one after the subject's last row p at (p, 2, ...)
-    last = order[ends[c_add] - 1]
-    anchor = np.where(before >= 0, before, last)
-    slot = np.where(before >= 0, 0, 2)
-    keys_p = np.concatenate([np.arange(tab.n_rows), anchor])
-    keys_s = np.concatenate([np.ones(tab.n_rows, np.int64), slot])
-    keys_t = np.concatenate([np.zeros(tab.n_rows), t_add])
-    keys_r = np.concatenate([np.arange(tab.n_rows), src])
-    merged = np.lexsort((keys_r, keys_t, keys_s, keys_p))
+    # a table row p sorts at (p, 1); an added dose at (anchor, slot, its time, its source)
+    n = tab.n_rows
+    merged = np.lexsort((np.concatenate([np.arange(n), src]),
+                         np.concatenate([np.zeros(n), t_add]),
+                         np.concatenate([np.ones(n, np.int64), slot]),
+                         np.concatenate([np.arange(n), anchor])))
+    return merged, prev
+
+
+def _expand_additional_doses(df: pd.DataFrame, given: dict[str, Hashable | None]
+                             ) -> tuple[pd.DataFrame, list[str]]:
+    """NONMEM's additional doses written out, one row per dose (as ``mrgsolve::realize_addl``
+    and ``nlmixr2``'s readers do): a dose row with ``ADDL = n`` and ``II > 0`` stands for
+    itself and ``n`` more doses at ``TIME + k II`` (``k = 1..n``), each like it (``AMT``,
+    ``RATE``, ``CMT``) but not at steady state (NONMEM: the doses that continue a
+    steady-state pattern are ordinary doses), placed and given covariates by
+    :func:`_additional_dose_order` (an observation at the time of an additional dose follows
+    it, NONMEM's and mrgsolve's order; noted); its index label is that of the dose row it
+    comes from, so that messages and :attr:`PKDataset.dose_rows` name that row. Returns the
+    table (``df`` itself when no row has additional doses) and the notes."""
+    checked = _check_additional_doses(df, given)
+    if checked is None:
+        return df, []
+    tab, t, kinds, dosing, n_add = checked
+    total = int(n_add.sum())
+    src = np.repeat(np.arange(tab.n_rows), n_add)
+    k = np.arange(total) - np.repeat(np.cumsum(n_add) - n_add, n_add) + 1
+    t_add = t[src] + k * dosing.ii[src]
+    merged, prev = _additional_dose_order(tab, t, src, t_add)
     nonmem = [c for c in tab.cols.values() if c is not None]
     added = df.iloc[src].copy()
-    others = [c for c in df.columns if c not in nonmem]
-    for c in others:  # column by column: each keeps its dtype
-        added[c] = df[c].iloc[prev].array
+    for c in df.columns:  # the covariates in force, column by column (each keeps its dtype)
+        if c not in nonmem:
+            added[c] = df[c].iloc[prev].array
     added[tab.cols["time"]] = t_add
-    added[name] = 0
+    added[tab.cols["addl"]] = 0
     for kw in ("ss", "ii"):
         if tab.cols[kw] is not None:
             added[tab.cols[kw]] = 0
@@ -688,7 +705,7 @@ def _expand_additional_doses(df: pd.DataFrame, given: dict[str, Hashable | None]
         "at their time); PKDataset.dose_rows names the row each comes from."
     ]
     obs_at = pd.MultiIndex.from_arrays([tab.code[kinds.is_obs], t[kinds.is_obs]])
-    n_tie = int(pd.MultiIndex.from_arrays([c_add, t_add]).isin(obs_at).sum())
+    n_tie = int(pd.MultiIndex.from_arrays([tab.code[src], t_add]).isin(obs_at).sum())
     if n_tie:
         notes.append(
             f"{n_tie} additional dose(s) fall at the time of an observation of their subject "
