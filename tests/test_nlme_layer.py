@@ -78,8 +78,10 @@ def test_result_conditional_modes_are_the_newton_modes_from_the_mean_draw(small_
         # the result computes its modes once, in the program it shares with the likelihood
         # and the standard errors (compiled with other XLA options than this jax.jit): the
         # same float32 Newton iterations, stopped where the objective's improvement is below
-        # its rounding, so the two agree to ~2e-5 relative (measured), not bit for bit
-        np.testing.assert_allclose(modes[k], np.asarray(v), rtol=1e-4, atol=1e-6,
+        # its rounding, so not bit for bit: a maximiser is fixed only to where
+        # f'' d^2 / 2 < eps |f|, d / x ~ sqrt(2 eps) = 4.9e-4 relative in float32 (measured:
+        # 2e-5 to 2.2e-4 as the programs' fusion changed)
+        np.testing.assert_allclose(modes[k], np.asarray(v), rtol=5e-4, atol=1e-6,
                                    err_msg=k)
         assert modes[k].shape[0] == 6
     # and they are exactly the modes the likelihood and the standard errors use

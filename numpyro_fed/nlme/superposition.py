@@ -108,16 +108,20 @@ def predict_pairs(structural: Any, indiv: dict, obs_time: Any, doses: Any, pairs
     D = jnp.shape(doses.time)[-1]
     q = s * D + pairs[:, 2]  # flat dose index
     p = {nm: take(jnp.broadcast_to(jnp.asarray(v), (n,)), s) for nm, v in indiv.items()}
-    # each pair is evaluated as one dose and the sample twice, (T, D) = (2, 1): the same
-    # values, and a (1, 1) program crashed XLA:CPU (segmentation fault, jaxlib 0.10.2) in the
-    # batched Hessians of the standard errors
-    t = jnp.repeat(take(obs_time, o)[:, None], 2, axis=1)
+    # each pair is evaluated as one dose and one sample, (T, D) = (1, 1). It was evaluated
+    # with the sample twice, (2, 1), from 7c3f32d to 2026-11-29: a (1, 1) program segfaulted
+    # XLA:CPU (jaxlib 0.10.2) in the batched Hessians of the Louis information as written
+    # then (reproduced at 7c3f32d; bisected: the crash leaves with 6c99505, which replaced
+    # the default standard errors, and the Louis program of today runs with (1, 1) at
+    # batches of 25 to 256 draws; test_nlme_superposition's Louis test keeps it run). The
+    # doubled evaluation cost 37% of a Quinidine fit's loop (6.1-6.6 s against 4.0 s)
+    t = take(obs_time, o)[:, None]
     d = Doses(**{f: take(jnp.asarray(getattr(doses, f)), q)[:, None] for f in _FIELDS})
     d = d._replace(mask=d.mask.astype(bool) & on[:, None])
     if obs_cmt is None:
         v = jax.vmap(lambda pp, tt, dd: structural(pp, tt, dd)[0])(p, t, d)
     else:
-        c = jnp.repeat(take(jnp.asarray(obs_cmt), o)[:, None], 2, axis=1)
+        c = take(jnp.asarray(obs_cmt), o)[:, None]
         v = jax.vmap(lambda pp, tt, dd, cc: structural(pp, tt, dd, cmt=cc)[0])(p, t, d, c)
     out = jax.ops.segment_sum(v, o, num_segments=n * T, indices_are_sorted=True,
                               mode=jax.lax.GatherScatterMode.CLIP).reshape(n, T)
