@@ -210,6 +210,7 @@ class ExactLikelihood:
         self.variant = variant
         if num_nodes is None:
             num_nodes = NUM_NODES if variant.n_re == 2 else NUM_NODES_3
+        self.num_nodes = int(num_nodes)
         self.sc, self.rec = sc, quinidine_records(num_subjects)
         with jax.enable_x64(True):
             self.case = _case(self.rec, variant)
