@@ -187,26 +187,23 @@ def test_predict_on_concrete_data_uses_pairs_and_equals_the_dense_path():
 def test_louis_information_of_a_multiple_dose_fit_runs_on_the_pairs():
     """The program that crashed XLA:CPU with (1, 1) per-pair programs in 7c3f32d (segfault,
     jaxlib 0.10.2): the Louis information -- batched forward-over-reverse Hessians of the
-    complete-data log-density over the draws -- of a float32 Quinidine fit on the pairs
-    (a crash fails this test's worker), finite and symmetric; and the default standard
-    errors of the same fit finite."""
+    complete-data log-density over the draws -- of a float32 fit of multiple-dose data
+    (Quinidine, 12 patients) on the pairs (a crash fails this test's worker), finite and
+    symmetric."""
     import warnings
 
     from numpyro_fed.saem import ConvergenceWarning, Schedule
 
-    data = nlme.load_quinidine().subjects(list(range(40)))
+    data = nlme.load_quinidine().subjects(list(range(12)))
     pk = nlme.PKModel(nlme.one_compartment(),
                       params={"CL": nlme.Param(10.0), "V": nlme.Param(200.0),
                               "KA": nlme.Param(1.0, random=False)}, error="additive")
     assert "pairs" in pk.arrays(data)
     with warnings.catch_warnings():  # a short run is refused as converged: expected
         warnings.simplefilter("ignore", ConvergenceWarning)
-        fit = pk.fit(data, jax.random.key(0), schedule=Schedule(num_iters=30,
-                                                                num_exploration=20),
-                     num_draws=50)
+        fit = pk.fit(data, jax.random.key(0), schedule=Schedule(num_iters=6,
+                                                                num_exploration=3),
+                     num_draws=25, num_chains=1)
         info = np.asarray(fit.result.fisher_information(method="louis"))
-        table = fit.parameter_table()
     assert info.shape[0] == info.shape[1] >= 5 and np.all(np.isfinite(info))
     np.testing.assert_allclose(info, info.T, rtol=1e-6, atol=1e-6)
-    assert np.all(np.isfinite(table["se"].dropna().to_numpy()))
-    assert table["se"].notna().sum() >= 5
