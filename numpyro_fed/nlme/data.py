@@ -681,10 +681,9 @@ def _expand_additional_doses(df: pd.DataFrame, given: dict[str, Hashable | None]
     k = np.arange(total) - np.repeat(np.cumsum(n_add) - n_add, n_add) + 1
     t_add = t[src] + k * dosing.ii[src]
     merged, prev = _additional_dose_order(tab, t, src, t_add)
-    nonmem = [c for c in tab.cols.values() if c is not None]
     added = df.iloc[src].copy()
     for c in df.columns:  # the covariates in force, column by column (each keeps its dtype)
-        if c not in nonmem:
+        if c not in tab.used:
             added[c] = df[c].iloc[prev].array
     added[tab.cols["time"]] = t_add
     added[tab.cols["addl"]] = 0
